@@ -1,0 +1,1 @@
+"""hydraloop: a Hydra-configured PyTorch research template."""

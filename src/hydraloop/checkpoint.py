@@ -1,0 +1,82 @@
+"""Checkpoints: one dict, loadable with torch.load(weights_only=True), written atomically.
+
+Keys: model (state_dict of the unwrapped model), optimizer, scheduler, epoch (completed epochs), global_step,
+best_metric, metrics (the validation metrics when saved), rng (torch, cuda, numpy, python) and config (resolved).
+"""
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from hydra.utils import instantiate
+
+from hydraloop.errors import ConfigError
+
+REQUIRED_KEYS = ("model", "optimizer", "scheduler", "epoch", "global_step", "rng")
+
+
+def save_atomic(obj: Any, path: Path) -> None:
+    """Write to a temporary file, then rename: a crash mid-write never leaves a truncated checkpoint."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    if not Path(path).is_file():
+        raise ConfigError(f"ckpt_path={path}: no such file")
+    try:
+        checkpoint = torch.load(path, map_location=map_location, weights_only=True, mmap=True)
+    except Exception as error:  # a truncated file, another format, a pickle with arbitrary objects
+        raise ConfigError(f"ckpt_path={path}: not a readable checkpoint ({type(error).__name__})") from None
+    missing = [key for key in REQUIRED_KEYS if not isinstance(checkpoint, dict) or key not in checkpoint]
+    if missing:
+        raise ConfigError(f"ckpt_path={path}: not a hydraloop checkpoint (missing {', '.join(missing)})")
+    return checkpoint
+
+
+def check_fits_model(path: str | Path, model_cfg: Any) -> None:
+    """Fail before any process starts if the checkpoint's weights do not match the configured model.
+
+    The model is built on the meta device: shapes only, no memory, no initialisation cost.
+    """
+    saved = {name: tuple(tensor.shape) for name, tensor in load_checkpoint(path)["model"].items()}
+    with torch.device("meta"):
+        model = instantiate(model_cfg)
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    problems = [f"missing {name}" for name in expected.keys() - saved.keys()]
+    problems += [f"unexpected {name}" for name in saved.keys() - expected.keys()]
+    problems += [
+        f"{name} has shape {list(saved[name])}, model needs {list(shape)}"
+        for name, shape in expected.items()
+        if name in saved and saved[name] != shape
+    ]
+    if problems:
+        shown = "; ".join(sorted(problems)[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+        raise ConfigError(f"ckpt_path={path}: does not fit model {model_cfg._target_} ({shown})")
+
+
+def rng_state() -> dict[str, Any]:
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        # numpy's state holds an ndarray, which weights_only loading refuses; store it as a tensor.
+        "numpy": {"name": np_name, "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": np_pos,
+                  "has_gauss": np_has_gauss, "gauss": np_gauss},
+        "python": random.getstate(),
+    }
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"].cpu())
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+    np_state = state["numpy"]
+    np.random.set_state((np_state["name"], np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
+                         np_state["has_gauss"], np_state["gauss"]))
+    random.setstate(state["python"])

@@ -1,0 +1,143 @@
+"""Typed schemas for the config tree, registered in Hydra's ConfigStore.
+
+`conf/train.yaml` lists `train_schema` first in its defaults, so Hydra merges every yaml on top of these
+dataclasses: a wrong type (`trainer.max_epochs=abc`) or an unknown key fails at composition, before a run
+directory exists. Groups whose keys differ per option (model, optimizer, scheduler, logger) are `Any` here;
+their keys are checked by the constructor they are passed to. The parallel options each have a schema of their
+own, which the option's yaml names in its defaults (`/schema/parallel/ddp@_here_`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from hydraloop.errors import ConfigError
+
+
+VAL_METRICS = ("val/acc", "val/loss")
+"""What the validation pass reports; `optimized_metric` names one of them."""
+
+
+@dataclass
+class TrainerConfig:
+    max_epochs: int = 20
+    """Epochs to train; with `ckpt_path`, the total including those already done."""
+    log_every_n_steps: int = 10
+    """Console and TensorBoard train metrics every this many optimizer steps (a sync point, so not every step)."""
+    grad_clip_norm: Optional[float] = None
+    """Clip the global gradient norm to this value; null turns clipping off."""
+    deterministic: bool = False
+    """torch.use_deterministic_algorithms(True): slower, bit-reproducible kernels."""
+    save_checkpoints: bool = True
+    """Write checkpoints/last.pt every epoch and checkpoints/best.pt when `optimized_metric` improves."""
+
+
+@dataclass
+class DataConfig:
+    batch_size: int = MISSING
+    """The GLOBAL batch size per optimizer step; each of N ranks loads batch_size / N."""
+    input_shape: List[int] = MISSING
+    """Shape of one sample without the batch dimension; models read it through interpolation."""
+    num_classes: int = MISSING
+    val_batch_size: Optional[int] = None
+    """Global evaluation batch size; null: same as batch_size."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank; 0 loads in the training process (best for small in-memory sets)."""
+    drop_last: bool = True
+    """Drop the last incomplete global batch, so every step sees `batch_size` samples and DDP matches single."""
+    dataset: Any = MISSING
+    """`_target_` returning (train, val) datasets, with its own keys."""
+
+
+@dataclass
+class SingleConfig:
+    _target_: str = "hydraloop.parallel.single.SingleDevice"
+
+
+@dataclass
+class DataParallelConfig:
+    _target_: str = "hydraloop.parallel.dataparallel.DataParallelStrategy"
+    device_ids: Optional[List[int]] = None
+    """GPUs to split each batch over; null: all visible GPUs."""
+
+
+@dataclass
+class DDPConfig:
+    _target_: str = "hydraloop.parallel.ddp.DDPStrategy"
+    nproc_per_node: Optional[int] = None
+    """Worker processes to start on this machine; null: one per visible GPU, or 2 on a CPU-only machine."""
+    backend: Optional[str] = None
+    """Process-group backend; null: nccl on CUDA, gloo on CPU."""
+    timeout_s: float = 300.0
+    """Process-group timeout: a collective that waits longer than this fails instead of hanging."""
+    find_unused_parameters: bool = False
+
+
+@dataclass
+class TrainConfig:
+    parallel: Any = MISSING
+    data: DataConfig = MISSING
+    model: Any = MISSING
+    optimizer: Any = MISSING
+    scheduler: Any = MISSING
+    logger: Any = MISSING
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    seed: int = 0
+    """Seeds model init and data order (the same on every rank) and, offset by rank, per-rank randomness."""
+    device: str = "auto"
+    """auto: cuda if available, else cpu. DDP uses the local rank's GPU."""
+    ckpt_path: Optional[str] = None
+    """Resume from this checkpoint: weights, optimizer, scheduler, epoch, step and RNG state."""
+    optimized_metric: str = "val/acc"
+    """Returned to sweepers and used to choose checkpoints/best.pt."""
+    optimized_metric_mode: str = "max"
+    """max or min: which direction of `optimized_metric` is better."""
+    output_dir: str = "${hydra:runtime.output_dir}"
+    """The run directory; every rank writes into the launcher's, never one of its own."""
+    log_file: str = "${hydra:runtime.output_dir}/${hydra:job.name}.log"
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    cs.store(group="schema/parallel", name="single", node=SingleConfig)
+    cs.store(group="schema/parallel", name="dataparallel", node=DataParallelConfig)
+    cs.store(group="schema/parallel", name="ddp", node=DDPConfig)
+
+
+def check_config(cfg: Any, world_size: int) -> None:
+    """What the schema's types cannot say: ranges, and how the global batch splits over `world_size` ranks."""
+    batch_size = cfg.data.batch_size
+    _require(batch_size > 0, f"data.batch_size={batch_size}: must be positive")
+    _require(
+        batch_size % world_size == 0,
+        f"data.batch_size={batch_size}: not divisible by the world size {world_size} "
+        "(it is the global batch, split evenly over the ranks)",
+    )
+    val_batch_size = cfg.data.val_batch_size
+    _require(val_batch_size is None or val_batch_size > 0, f"data.val_batch_size={val_batch_size}: must be positive")
+    _require(cfg.trainer.max_epochs > 0, f"trainer.max_epochs={cfg.trainer.max_epochs}: must be positive")
+    _require(
+        cfg.trainer.log_every_n_steps > 0,
+        f"trainer.log_every_n_steps={cfg.trainer.log_every_n_steps}: must be positive",
+    )
+    clip = cfg.trainer.grad_clip_norm
+    _require(clip is None or clip > 0, f"trainer.grad_clip_norm={clip}: must be positive, or null for no clipping")
+    lr = cfg.optimizer.get("lr")
+    _require(
+        isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0,
+        f"optimizer.lr={lr}: must be a positive number",
+    )
+    metric = cfg.optimized_metric
+    _require(metric in VAL_METRICS, f"optimized_metric={metric}: must be one of {', '.join(VAL_METRICS)}")
+    mode = cfg.optimized_metric_mode
+    _require(mode in ("max", "min"), f"optimized_metric_mode={mode}: must be max or min")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)

@@ -1,0 +1,6 @@
+"""Parallelism strategies: each a small module behind one small interface (see single.SingleDevice).
+
+A strategy answers two questions. In the launching process: how does the job start its ranks (`launch`)?
+In each rank: which device, how is the model wrapped, and how are metrics reduced (`setup`, `wrap`, `all_reduce`)?
+The training loop only talks to this interface, so it never branches on the strategy.
+"""

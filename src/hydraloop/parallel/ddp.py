@@ -1,0 +1,116 @@
+import logging
+import os
+import uuid
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from torch.nn.parallel import DistributedDataParallel
+
+from hydraloop.errors import ConfigError, WorkerFailed
+from hydraloop.parallel.single import SingleDevice, resolve_device
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+class DDPStrategy(SingleDevice):
+    """DistributedDataParallel, one process per device.
+
+    If an outside launcher (torchrun, SLURM) already set RANK / WORLD_SIZE / LOCAL_RANK, this process is one rank
+    and joins that group. Otherwise `launch` starts `nproc_per_node` ranks itself through
+    torch.distributed.elastic, the engine behind torchrun: a c10d rendezvous on a free port (so two jobs on one
+    machine never collide), and the whole job is stopped as soon as any rank fails.
+    """
+
+    def __init__(
+        self,
+        device: str = "auto",
+        nproc_per_node: int | None = None,
+        backend: str | None = None,
+        timeout_s: float = 300.0,
+        find_unused_parameters: bool = False,
+    ) -> None:
+        super().__init__(device)
+        use_cuda = resolve_device(device).type == "cuda"
+        self.backend = backend or ("nccl" if use_cuda else "gloo")
+        self.timeout = timedelta(seconds=timeout_s)
+        self.find_unused_parameters = find_unused_parameters
+        self.launched_outside = all(key in os.environ for key in LAUNCHER_ENV)
+        if self.launched_outside:
+            self.rank = int(os.environ["RANK"])
+            self.local_rank = int(os.environ["LOCAL_RANK"])
+            self.world_size = int(os.environ["WORLD_SIZE"])
+            return
+        self.nproc_per_node = nproc_per_node or (torch.cuda.device_count() if use_cuda else 2)
+        if self.nproc_per_node < 1:
+            raise ConfigError(f"parallel.nproc_per_node={nproc_per_node}: must be at least 1")
+        if self.backend == "nccl" and self.nproc_per_node > torch.cuda.device_count():
+            raise ConfigError(
+                f"parallel.nproc_per_node={self.nproc_per_node}: only {torch.cuda.device_count()} GPU(s) visible, "
+                "and nccl needs one GPU per process"
+            )
+        self.world_size = self.nproc_per_node
+
+    def launch(self, worker: Callable[..., T], *args) -> T:
+        if self.launched_outside:
+            return worker(*args)
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=self.nproc_per_node,
+            run_id=str(uuid.uuid4()),
+            rdzv_backend="c10d",
+            rdzv_endpoint="localhost:0",  # port 0: the agent binds a free port and tells the workers
+            max_restarts=0,
+            monitor_interval=0.1,
+            start_method="spawn",
+        )
+        # The agent reports each rank's failure with a full traceback; the worker has already logged it.
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+        try:
+            return elastic_launch(config, worker)(*args)[0]  # {rank: result}; ranks agree, rank 0 speaks
+        except ChildFailedError as failed:
+            rank, failure = failed.get_first_failure()
+            message = failure.message.get("message") if isinstance(failure.message, dict) else failure.message
+            raise WorkerFailed(f"rank {rank} failed (exit code {failure.exitcode}): {message}") from None
+
+    def setup(self) -> None:
+        super().setup()
+        if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            # Ranks share the machine's cores; without this each would start one thread per core.
+            local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+        dist.init_process_group(
+            self.backend,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=self.timeout,
+            device_id=self.device if self.device.type == "cuda" else None,
+        )
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        model = super().wrap(model)
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(
+            model, device_ids=device_ids, find_unused_parameters=self.find_unused_parameters
+        )
+
+    def eval_module(self, model: nn.Module) -> nn.Module:
+        # DDP's forward can broadcast buffers, a collective that would deadlock when shards differ in length.
+        return self.unwrap(model)
+
+    def all_reduce(self, tensor: Tensor) -> Tensor:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def teardown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,67 @@
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+from torch import Tensor, nn
+
+from hydraloop.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def resolve_device(device: str, local_rank: int = 0) -> torch.device:
+    """`auto`: this rank's GPU if there is one, else the CPU. `cuda` without an index: this rank's GPU."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"device={device}: not a device (use auto, cpu, cuda or cuda:N)") from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device={device}: CUDA is not available on this machine")
+        resolved = torch.device("cuda", local_rank if resolved.index is None else resolved.index)
+    return resolved
+
+
+class SingleDevice:
+    """One process on one device. The base of the other strategies: each overrides only what it changes."""
+
+    world_size = 1
+    rank = 0
+    local_rank = 0
+
+    def __init__(self, device: str = "auto") -> None:
+        self.device_name = device
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.rank == 0
+
+    def launch(self, worker: Callable[..., T], *args) -> T:
+        """Runs `worker` in every rank and returns rank 0's result; here, in this process."""
+        return worker(*args)
+
+    def setup(self) -> None:
+        """Called first in each rank: pick the device (and, in subclasses, join the process group)."""
+        self.device = resolve_device(self.device_name, self.local_rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return model.to(self.device)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's module, whose state_dict keys carry no wrapper prefix (`module.`)."""
+        return getattr(model, "module", model)
+
+    def eval_module(self, model: nn.Module) -> nn.Module:
+        """The module to evaluate with: the wrapped one, unless the wrapper communicates in forward."""
+        return model
+
+    def all_reduce(self, tensor: Tensor) -> Tensor:
+        """Sums `tensor` over ranks, in place; returns it."""
+        return tensor
+
+    def teardown(self) -> None:
+        pass

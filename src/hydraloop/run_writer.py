@@ -1,0 +1,70 @@
+"""What rank 0 writes into the run directory: logger events, checkpoints and metrics.json.
+
+Every other rank gets NullRunWriter, so the training loop calls the same methods on all ranks and never asks
+"am I rank 0?".
+"""
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from hydraloop.checkpoint import save_atomic
+from hydraloop.loggers import NullLogger
+
+
+class NullRunWriter:
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def save_checkpoint(self, make_state: Callable[[], dict[str, Any]], is_best: bool) -> None:
+        pass
+
+    def finish(self, metrics: dict[str, Any]) -> None:
+        pass
+
+
+class RunWriter(NullRunWriter):
+    def __init__(self, run_dir: str | Path, logger: NullLogger, save_checkpoints: bool, config: dict[str, Any]) -> None:
+        self.run_dir = Path(run_dir)
+        self.logger = logger
+        self.save_checkpoints = save_checkpoints
+        self.config = config
+        # Indented four spaces: TensorBoard's text plugin renders that as a code block.
+        config_yaml = OmegaConf.to_yaml(config)
+        logger.log_text("config", "\n".join("    " + line for line in config_yaml.splitlines()))
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.logger.log_metrics(metrics, step)
+
+    def save_checkpoint(self, make_state: Callable[[], dict[str, Any]], is_best: bool) -> None:
+        """checkpoints/last.pt always; checkpoints/best.pt too when the optimized metric improved."""
+        if not self.save_checkpoints:
+            return
+        state = make_state()
+        save_atomic(state, self.run_dir / "checkpoints" / "last.pt")
+        if is_best:
+            save_atomic(state, self.run_dir / "checkpoints" / "best.pt")
+
+    def finish(self, metrics: dict[str, Any]) -> None:
+        """Final metrics: as TensorBoard hyper-parameter results, and as metrics.json (written atomically)."""
+        hparams = {key: value for key, value in _flatten(self.config).items() if not key.startswith(("output_dir", "log_file"))}
+        self.logger.log_hparams(hparams, {k: v for k, v in metrics.items() if "/" in k and v is not None})
+        self.logger.close()
+        tmp = self.run_dir / "metrics.json.tmp"
+        tmp.write_text(json.dumps(metrics, indent=2) + "\n")
+        os.replace(tmp, self.run_dir / "metrics.json")
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    """{"optimizer": {"lr": 0.1}} -> {"optimizer.lr": 0.1}; lists become strings (TensorBoard takes scalars)."""
+    if isinstance(node, dict):
+        flat: dict[str, Any] = {}
+        for key, value in node.items():
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        return flat
+    value = str(node) if isinstance(node, (list, tuple)) or node is None else node
+    return {prefix.rstrip("."): value}

@@ -1,0 +1,32 @@
+"""Learning-rate schedules as LambdaLR over optimizer steps, completed in code with the run's step counts.
+
+The schedule is a function of the step only, so a resumed run (which restores the step) follows the same curve.
+"""
+
+import math
+
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR
+
+
+def constant(optimizer: Optimizer, *, total_steps: int, steps_per_epoch: int) -> LambdaLR:
+    return LambdaLR(optimizer, lambda step: 1.0)
+
+
+def cosine_with_warmup(
+    optimizer: Optimizer,
+    *,
+    total_steps: int,
+    steps_per_epoch: int,
+    warmup_epochs: float = 1.0,
+    min_lr_ratio: float = 0.0,
+) -> LambdaLR:
+    warmup_steps = round(warmup_epochs * steps_per_epoch)
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return LambdaLR(optimizer, factor)

@@ -1,0 +1,110 @@
+"""hydraloop's one entrypoint: `python src/train.py [group=option ...] [key=value ...]`.
+
+Reads top to bottom: `main` runs once, in the launching process (checks the config, starts the ranks); `train`
+runs in every rank (builds data, model, optimizer and run writer from the config, then hands them to the loop).
+"""
+
+import logging
+
+import hydra
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from hydraloop.checkpoint import check_fits_model, load_checkpoint, restore_rng_state
+from hydraloop.config import check_config, register_configs
+from hydraloop.data.loaders import build_loaders
+from hydraloop.errors import exit_on_error
+from hydraloop.rank_logging import setup_rank_logging
+from hydraloop.run_writer import NullRunWriter, RunWriter
+from hydraloop.seeding import seed_everything
+from hydraloop.trainer import Trainer, TrainState
+
+log = logging.getLogger("hydraloop.train")
+register_configs()
+
+
+def train(cfg: DictConfig) -> dict:
+    """One rank's work. Returns the final metrics, which are global (reduced over ranks), so equal on all."""
+    strategy = instantiate(cfg.parallel, device=cfg.device)
+    setup_rank_logging(strategy.rank, cfg.log_file)
+    strategy.setup()
+    try:
+        torch.use_deterministic_algorithms(cfg.trainer.deterministic)
+        train_set, val_set = instantiate(cfg.data.dataset)
+        train_loader, val_loader = build_loaders(
+            train_set,
+            val_set,
+            global_batch_size=cfg.data.batch_size,
+            global_val_batch_size=cfg.data.val_batch_size or cfg.data.batch_size,
+            rank=strategy.rank,
+            world_size=strategy.world_size,
+            seed=cfg.seed,
+            num_workers=cfg.data.num_workers,
+            drop_last=cfg.data.drop_last,
+            pin_memory=strategy.device.type == "cuda",
+        )
+
+        seed_everything(cfg.seed)  # the same on every rank: DDP starts from the weights single-process starts from
+        model = strategy.wrap(instantiate(cfg.model))
+        optimizer = instantiate(cfg.optimizer)(model.parameters())
+        steps_per_epoch = len(train_loader)
+        scheduler = instantiate(cfg.scheduler)(
+            optimizer, total_steps=steps_per_epoch * cfg.trainer.max_epochs, steps_per_epoch=steps_per_epoch
+        )
+        state = TrainState()
+        if cfg.ckpt_path:
+            checkpoint = load_checkpoint(cfg.ckpt_path, map_location=strategy.device)
+            strategy.unwrap(model).load_state_dict(checkpoint["model"])
+            optimizer.load_state_dict(checkpoint["optimizer"])
+            scheduler.load_state_dict(checkpoint["scheduler"])
+            restore_rng_state(checkpoint["rng"])
+            state = TrainState(checkpoint["epoch"], checkpoint["global_step"], checkpoint.get("best_metric"))
+            log.info("resumed from %s at epoch %d, step %d", cfg.ckpt_path, state.epoch, state.global_step)
+
+        config = OmegaConf.to_container(cfg, resolve=True)
+        writer = (
+            RunWriter(cfg.output_dir, instantiate(cfg.logger, log_dir=f"{cfg.output_dir}/tensorboard"),
+                      cfg.trainer.save_checkpoints, config)
+            if strategy.is_main_process
+            else NullRunWriter()
+        )
+        trainer = Trainer(
+            strategy,
+            writer,
+            max_epochs=cfg.trainer.max_epochs,
+            log_every_n_steps=cfg.trainer.log_every_n_steps,
+            grad_clip_norm=cfg.trainer.grad_clip_norm,
+            global_batch_size=cfg.data.batch_size,
+            seed=cfg.seed,
+            optimized_metric=cfg.optimized_metric,
+            optimized_metric_mode=cfg.optimized_metric_mode,
+            config=config,
+        )
+        metrics = trainer.fit(model, optimizer, scheduler, train_loader, val_loader, state)
+        writer.finish(metrics)
+        return metrics
+    except Exception:
+        log.exception("training failed")
+        raise
+    finally:
+        strategy.teardown()
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+def main(cfg: DictConfig) -> float:
+    """Checks the config, starts the ranks, and returns `optimized_metric` to Hydra's sweepers."""
+    with exit_on_error():
+        # Resolved here, where Hydra's resolvers work: worker processes get plain values and never touch Hydra.
+        cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+        strategy = instantiate(cfg.parallel, device=cfg.device)
+        check_config(cfg, strategy.world_size)
+        if cfg.ckpt_path:
+            check_fits_model(cfg.ckpt_path, cfg.model)
+        metrics = strategy.launch(train, cfg)
+    log.info("final metrics: %s", {k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()})
+    return metrics[cfg.optimized_metric]
+
+
+if __name__ == "__main__":
+    main()
