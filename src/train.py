@@ -30,7 +30,8 @@ def train(cfg: DictConfig) -> dict:
     setup_rank_logging(strategy.rank, cfg.log_file)
     strategy.setup()
     try:
-        torch.use_deterministic_algorithms(cfg.trainer.deterministic)
+        if cfg.trainer.deterministic:  # only when asked: the call itself costs ~1 s of imports
+            torch.use_deterministic_algorithms(True)
         train_set, val_set = instantiate(cfg.data.dataset)
         train_loader, val_loader = build_loaders(
             train_set,

@@ -1,0 +1,24 @@
+"""An on-disk cache of generated or converted arrays, so that later runs (and every rank) skip the work."""
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hydraloop"
+
+
+def cached_arrays(name: str, make: Callable[[], dict[str, np.ndarray]], cache_dir: str | None = None) -> dict[str, np.ndarray]:
+    """Loads `<cache_dir>/<name>.npz`, first writing it with `make()` if it is missing."""
+    path = (Path(cache_dir) if cache_dir else default_cache_dir()) / f"{name}.npz"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Ranks may build it at once: each writes its own temporary file, and the rename is atomic.
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")
+        np.savez(tmp, **make())
+        os.replace(tmp, path)
+    with np.load(path) as arrays:
+        return dict(arrays)

@@ -1,0 +1,69 @@
+"""Shared helpers: run the real entrypoint in a subprocess, read what it wrote."""
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = REPO / "src" / "train.py"
+
+
+@dataclass
+class Run:
+    returncode: int
+    output: str  # stdout and stderr together
+    run_dir: Path
+
+    @property
+    def metrics(self) -> dict:
+        return json.loads((self.run_dir / "metrics.json").read_text())
+
+    def checkpoint(self, name: str = "last.pt") -> dict:
+        return torch.load(self.run_dir / "checkpoints" / name, weights_only=True)
+
+    @property
+    def log(self) -> str:
+        return (self.run_dir / "train.log").read_text()
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory) -> Path:
+    """One MNIST-1D cache per test session, away from the user's ~/.cache."""
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="session")
+def train_env(data_cache) -> dict[str, str]:
+    env = dict(os.environ)
+    env["XDG_CACHE_HOME"] = str(data_cache)
+    env["HYDRA_FULL_ERROR"] = "0"
+    # Fault-injection models live in tests/; workers import them by module path.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+@pytest.fixture(scope="session")
+def run_train(train_env, tmp_path_factory):
+    """run_train(*overrides, run_dir=None, timeout=180) -> Run, for `python src/train.py OVERRIDES`."""
+
+    def run(*overrides: str, run_dir: Path | None = None, timeout: float = 180, cwd: Path | None = None) -> Run:
+        run_dir = run_dir or tmp_path_factory.mktemp("run")
+        cmd = [sys.executable, str(TRAIN), f"hydra.run.dir={run_dir}", *overrides]
+        proc = subprocess.run(
+            cmd, cwd=cwd or REPO, env=train_env, capture_output=True, text=True, timeout=timeout
+        )
+        return Run(proc.returncode, proc.stdout + proc.stderr, Path(run_dir))
+
+    return run
+
+
+def max_param_diff(a: dict, b: dict) -> float:
+    """Largest absolute difference between two state_dicts with the same keys."""
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
