@@ -54,7 +54,9 @@ def run_train(train_env, tmp_path_factory):
 
     def run(*overrides: str, run_dir: Path | None = None, timeout: float = 180, cwd: Path | None = None) -> Run:
         run_dir = run_dir or tmp_path_factory.mktemp("run")
-        cmd = [sys.executable, str(TRAIN), f"hydra.run.dir={run_dir}", *overrides]
+        flags = [arg for arg in overrides if arg.startswith("-")]  # Hydra's argparse wants -m before overrides
+        overrides = [arg for arg in overrides if not arg.startswith("-")]
+        cmd = [sys.executable, str(TRAIN), *flags, f"hydra.run.dir={run_dir}", *overrides]
         proc = subprocess.run(
             cmd, cwd=cwd or REPO, env=train_env, capture_output=True, text=True, timeout=timeout
         )

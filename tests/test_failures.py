@@ -1,0 +1,47 @@
+"""A failing or hanging rank ends the whole job with a non-zero exit, its error in the log, and no hang."""
+
+import time
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_exception_in_one_rank_ends_the_job(run_train):
+    run = run_train(
+        "parallel=ddp", "model._target_=tests.faults.RaisingMLP", "+model.fail_rank=1", "+model.fail_at_step=3",
+        "trainer.max_epochs=3", timeout=120,
+    )
+    assert run.returncode == 1
+    # One line from the launcher naming the rank, and the rank's own traceback in the job log, prefixed.
+    assert "rank 1 failed (exit code 1): RuntimeError: injected failure at step 3" in run.output
+    assert "[rank 1]" in run.log and "RuntimeError: injected failure at step 3" in run.log
+    assert "Traceback" in run.log  # the failing rank's stack is kept for the post-mortem
+    # It failed in epoch 1: no epoch finished, so nothing was written.
+    assert not (run.run_dir / "metrics.json").exists()
+    assert not (run.run_dir / "checkpoints").exists()
+
+
+def test_exception_in_rank_zero_after_a_checkpoint_keeps_it(run_train):
+    run = run_train(
+        "parallel=ddp", "model._target_=tests.faults.RaisingMLP", "+model.fail_rank=0", "+model.fail_at_step=30",
+        "trainer.max_epochs=3", timeout=120,
+    )
+    assert run.returncode == 1
+    assert "rank 0 failed" in run.output
+    checkpoint = run.checkpoint("last.pt")  # the epoch-1 checkpoint (22 steps) is whole and loadable
+    assert checkpoint["epoch"] == 1 and checkpoint["global_step"] == 22
+    assert not list((run.run_dir / "checkpoints").glob("*.tmp"))
+
+
+def test_hung_rank_is_cut_off_by_the_process_group_timeout(run_train):
+    started = time.monotonic()
+    run = run_train(
+        "parallel=ddp", "parallel.timeout_s=5", "model._target_=tests.faults.HangingMLP", "+model.fail_rank=1",
+        "+model.fail_at_step=2", "trainer.max_epochs=1", timeout=150,
+    )
+    elapsed = time.monotonic() - started
+    assert run.returncode == 1
+    assert "rank 0 failed" in run.output  # rank 0 waited in the all-reduce, timed out, and raised
+    # Bounded, not a benchmark: the hang lasts an hour; the job must end long before the subprocess timeout.
+    assert elapsed < 120
