@@ -28,8 +28,8 @@ def train(cfg: DictConfig) -> dict:
     """One rank's work. Returns the final metrics, which are global (reduced over ranks), so equal on all."""
     strategy = instantiate(cfg.parallel, device=cfg.device)
     setup_rank_logging(strategy.rank, cfg.log_file)
-    strategy.setup()
     try:
+        strategy.setup()
         if cfg.trainer.deterministic:  # only when asked: the call itself costs ~1 s of imports
             torch.use_deterministic_algorithms(True)
         train_set, val_set = instantiate(cfg.data.dataset)
@@ -97,7 +97,7 @@ def main(cfg: DictConfig) -> float:
     """Checks the config, starts the ranks, and returns `optimized_metric` to Hydra's sweepers."""
     with exit_on_error():
         # Resolved here, where Hydra's resolvers work: worker processes get plain values and never touch Hydra.
-        cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+        cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True), flags={"struct": True})
         strategy = instantiate(cfg.parallel, device=cfg.device)
         check_config(cfg, strategy.world_size)
         if cfg.ckpt_path:

@@ -3,6 +3,7 @@
 import json
 import os
 import subprocess
+import tempfile
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,3 +70,26 @@ def max_param_diff(a: dict, b: dict) -> float:
     """Largest absolute difference between two state_dicts with the same keys."""
     assert a.keys() == b.keys()
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+@pytest.fixture
+def train_in_process(tmp_path, monkeypatch, data_cache):
+    """train_in_process(*overrides) -> (metrics, run_dir): src/train.py's task function, called directly.
+
+    For single-process behaviour where a subprocess's 3 s of start-up would dominate.
+    """
+    from hydra import compose, initialize_config_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(data_cache))
+    monkeypatch.syspath_prepend(str(REPO / "src"))
+    import train  # src/train.py; importing registers the schemas
+
+    def run(*overrides: str) -> tuple[dict, Path]:
+        run_dir = Path(tempfile.mkdtemp(dir=tmp_path))
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+            # Outside a Hydra run there is no hydra:runtime.output_dir to interpolate: name the paths.
+            cfg = compose("train", overrides=[*overrides, f"output_dir={run_dir}", f"log_file={run_dir}/train.log"])
+        train.main.__wrapped__(cfg)
+        return json.loads((run_dir / "metrics.json").read_text()), run_dir
+
+    return run

@@ -114,7 +114,10 @@ def test_checkpoint_missing_keys(run_train, tmp_path):
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("model.hidden_sizes=[32]", "does not fit model hydraloop.models.mlp.MLP (net.1.bias has shape [128], model needs [32]"),
+        (
+            "model.hidden_sizes=[32]",
+            "does not fit model hydraloop.models.mlp.MLP (net.1.bias has shape [128], model needs [32]",
+        ),
         ("model=cnn", "does not fit model hydraloop.models.cnn.CNN (missing features.0.bias"),
         pytest.param(
             "optimizer=sgd", "optimizer",
@@ -146,12 +149,15 @@ def test_unknown_group_option(run_train, tmp_path):
 )
 def test_wrong_type_fails_at_composition(run_train, tmp_path, override, key):
     run = run_train(override, run_dir=tmp_path / "never")
-    assert_rejected_by_hydra(run, f"Error merging override {override}", "could not be converted to Integer",
-                             f"full_key: {key}")
+    assert_rejected_by_hydra(
+        run, f"Error merging override {override}", "could not be converted to Integer", f"full_key: {key}"
+    )
     assert not run.run_dir.exists()  # composition failed before Hydra made the run directory
 
 
 def test_unknown_key(run_train, tmp_path):
     run = run_train("trainer.max_epoch=3", run_dir=tmp_path / "never")
-    assert_rejected_by_hydra(run, "Could not override 'trainer.max_epoch'", "Key 'max_epoch' not in 'TrainerConfig'")
+    assert_rejected_by_hydra(
+        run, "Could not override 'trainer.max_epoch'", "Key 'max_epoch' not in 'TrainerConfig'"
+    )
     assert not run.run_dir.exists()

@@ -98,3 +98,17 @@ def test_tensorboard_events(ddp_run):
     assert "config" in " ".join(accumulator.Tags()["tensors"])
     plugins = accumulator.PluginTagToContent("hparams")
     assert "_hparams_/experiment" in plugins and "_hparams_/session_start_info" in plugins
+
+
+def test_two_ddp_jobs_at_once_do_not_collide(tmp_path, train_env):
+    """Each job's rendezvous binds a free port of its own."""
+    procs = [
+        subprocess.Popen([sys.executable, str(TRAIN), "parallel=ddp", "trainer.max_epochs=1", "logger=none",
+                          f"hydra.run.dir={tmp_path / name}"], env=train_env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+        for name in ("a", "b")
+    ]
+    outputs = [proc.communicate(timeout=180)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outputs
+    a, b = (json.loads((tmp_path / name / "metrics.json").read_text()) for name in ("a", "b"))
+    assert a["val/acc"] == b["val/acc"] and a["world_size"] == b["world_size"] == 2
