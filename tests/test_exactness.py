@@ -1,8 +1,13 @@
 """Distributed training computes what single-process training computes: parameters compared after 2 epochs."""
 
-import pytest
+import json
+import subprocess
+import sys
 
-from conftest import max_param_diff
+import pytest
+import torch
+
+from conftest import TRAIN, max_param_diff
 
 pytestmark = pytest.mark.slow
 
@@ -54,3 +59,18 @@ def test_ddp_matches_single_with_cnn_sgd_cosine_and_clipping(run_train):
     assert ddp.metrics["global_step"] == single.metrics["global_step"] == 2 * (4000 // 96)
     assert max_param_diff(ddp.checkpoint()["model"], single.checkpoint()["model"]) < TOLERANCE
     assert ddp.metrics["val/acc"] == single.metrics["val/acc"]
+
+
+def test_ddp_joins_an_outside_launchers_group(tmp_path, train_env, single_2_epochs):
+    """Under torchrun (RANK / WORLD_SIZE / LOCAL_RANK set) each process is a rank: nothing is spawned."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(TRAIN),
+         "parallel=ddp", "trainer.max_epochs=2", f"hydra.run.dir={run_dir}"],
+        env=train_env, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["world_size"] == 2
+    joined = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+    assert max_param_diff(joined, single_2_epochs.checkpoint()["model"]) < TOLERANCE
