@@ -11,10 +11,10 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from hydraloop.checkpoint import check_fits_model, load_checkpoint, restore_rng_state
+from hydraloop.checkpoint import check_resumable, load_checkpoint, restore_rng_state
 from hydraloop.config import check_config, register_configs
 from hydraloop.data.loaders import build_loaders
-from hydraloop.errors import exit_on_error
+from hydraloop.errors import ConfigError, exit_on_error
 from hydraloop.rank_logging import setup_rank_logging
 from hydraloop.run_writer import NullRunWriter, RunWriter
 from hydraloop.seeding import seed_everything
@@ -85,6 +85,8 @@ def train(cfg: DictConfig) -> dict:
         metrics = trainer.fit(model, optimizer, scheduler, train_loader, val_loader, state)
         writer.finish(metrics)
         return metrics
+    except ConfigError:
+        raise  # bad input: the launcher reports it as one line
     except Exception:
         log.exception("training failed")
         raise
@@ -101,7 +103,7 @@ def main(cfg: DictConfig) -> float:
         strategy = instantiate(cfg.parallel, device=cfg.device)
         check_config(cfg, strategy.world_size)
         if cfg.ckpt_path:
-            check_fits_model(cfg.ckpt_path, cfg.model)
+            check_resumable(cfg.ckpt_path, cfg)
         metrics = strategy.launch(train, cfg)
     log.info("final metrics: %s", {k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()})
     return metrics[cfg.optimized_metric]

@@ -136,14 +136,7 @@ def global_batches(size: int, batch_size: int, world_size: int, epoch: int) -> l
     "size",
     [
         100,  # 100 % 8 == 4
-        pytest.param(
-            103,  # 103 % 8 == 7: each rank's padded shard (52) fills a 13th step of 4
-            marks=pytest.mark.xfail(
-                reason="build_loaders: DistributedSampler(drop_last=False) pads 103 to 104, so with 2 ranks "
-                "drop_last keeps a 13th global batch holding a duplicate; one process has 12",
-                strict=True,
-            ),
-        ),
+        103,  # 103 % 8 == 7: a padded rank shard (52) would fill a 13th step of 4 that one process lacks
     ],
 )
 @pytest.mark.parametrize("epoch", [0, 1])

@@ -27,8 +27,10 @@ def save_atomic(obj: Any, path: Path) -> None:
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    if not Path(path).is_file():
+    if not Path(path).exists():
         raise ConfigError(f"ckpt_path={path}: no such file")
+    if not Path(path).is_file():
+        raise ConfigError(f"ckpt_path={path}: not a file")
     try:
         checkpoint = torch.load(path, map_location=map_location, weights_only=True, mmap=True)
     except Exception as error:  # a truncated file, another format, a pickle with arbitrary objects
@@ -39,12 +41,19 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     return checkpoint
 
 
-def check_fits_model(path: str | Path, model_cfg: Any) -> None:
-    """Fail before any process starts if the checkpoint's weights do not match the configured model.
+def check_resumable(path: str | Path, cfg: Any) -> None:
+    """Fail before any process starts if the checkpoint does not fit the configured model and optimizer.
 
     The model is built on the meta device: shapes only, no memory, no initialisation cost.
     """
-    saved = {name: tuple(tensor.shape) for name, tensor in load_checkpoint(path)["model"].items()}
+    checkpoint = load_checkpoint(path)
+    saved_optimizer = checkpoint.get("config", {}).get("optimizer", {}).get("_target_")
+    if saved_optimizer and saved_optimizer != cfg.optimizer._target_:
+        raise ConfigError(
+            f"ckpt_path={path}: holds {saved_optimizer} state, the config asks for {cfg.optimizer._target_}"
+        )
+    model_cfg = cfg.model
+    saved = {name: tuple(tensor.shape) for name, tensor in checkpoint["model"].items()}
     with torch.device("meta"):
         model = instantiate(model_cfg)
     expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}

@@ -9,6 +9,7 @@ own, which the option's yaml names in its defaults (`/schema/parallel/ddp@_here_
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
@@ -129,8 +130,8 @@ def check_config(cfg: Any, world_size: int) -> None:
     _require(clip is None or clip > 0, f"trainer.grad_clip_norm={clip}: must be positive, or null for no clipping")
     lr = cfg.optimizer.get("lr")
     _require(
-        isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0,
-        f"optimizer.lr={lr}: must be a positive number",
+        isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0 < lr < math.inf,
+        f"optimizer.lr={lr}: must be a positive finite number",
     )
     metric = cfg.optimized_metric
     _require(metric in VAL_METRICS, f"optimized_metric={metric}: must be one of {', '.join(VAL_METRICS)}")

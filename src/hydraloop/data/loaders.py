@@ -47,7 +47,11 @@ def build_loaders(
     drop_last: bool,
     pin_memory: bool,
 ) -> tuple[DataLoader, DataLoader]:
-    train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+    # The sampler drops (rather than pads) the tail that does not split evenly over the ranks, so no rank
+    # takes an extra batch of duplicated samples that one process would not see.
+    train_sampler = DistributedSampler(
+        train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=drop_last
+    )
     common = dict(
         num_workers=num_workers,
         pin_memory=pin_memory,

@@ -39,7 +39,7 @@ class DDPStrategy(SingleDevice):
         find_unused_parameters: bool = False,
     ) -> None:
         super().__init__(device)
-        use_cuda = resolve_device(device).type == "cuda"
+        use_cuda = resolve_device(device).type == "cuda"  # checked by SingleDevice too; needed for defaults
         self.backend = backend or ("nccl" if use_cuda else "gloo")
         self.timeout = timedelta(seconds=timeout_s)
         self.find_unused_parameters = find_unused_parameters
@@ -49,7 +49,9 @@ class DDPStrategy(SingleDevice):
             self.local_rank = int(os.environ["LOCAL_RANK"])
             self.world_size = int(os.environ["WORLD_SIZE"])
             return
-        self.nproc_per_node = nproc_per_node or (torch.cuda.device_count() if use_cuda else 2)
+        self.nproc_per_node = nproc_per_node if nproc_per_node is not None else (
+            torch.cuda.device_count() if use_cuda else 2
+        )
         if self.nproc_per_node < 1:
             raise ConfigError(f"parallel.nproc_per_node={nproc_per_node}: must be at least 1")
         if self.backend == "nccl" and self.nproc_per_node > torch.cuda.device_count():

@@ -21,6 +21,8 @@ def resolve_device(device: str, local_rank: int = 0) -> torch.device:
         if not torch.cuda.is_available():
             raise ConfigError(f"device={device}: CUDA is not available on this machine")
         resolved = torch.device("cuda", local_rank if resolved.index is None else resolved.index)
+        if resolved.index >= torch.cuda.device_count():
+            raise ConfigError(f"device={device}: only {torch.cuda.device_count()} GPU(s) visible")
     return resolved
 
 
@@ -33,6 +35,7 @@ class SingleDevice:
 
     def __init__(self, device: str = "auto") -> None:
         self.device_name = device
+        resolve_device(device)  # a bad device fails in the launcher, before any rank starts
 
     @property
     def is_main_process(self) -> bool:
