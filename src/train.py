@@ -5,6 +5,7 @@ runs in every rank (builds data, model, optimizer and run writer from the config
 """
 
 import logging
+import os
 
 import hydra
 import torch
@@ -17,6 +18,7 @@ from hydraloop.data.loaders import build_loaders
 from hydraloop.errors import ConfigError, exit_on_error
 from hydraloop.rank_logging import setup_rank_logging
 from hydraloop.run_writer import NullRunWriter, RunWriter
+from hydraloop.schedulers import apply_current_step
 from hydraloop.seeding import seed_everything
 from hydraloop.trainer import Trainer, TrainState
 
@@ -31,6 +33,8 @@ def train(cfg: DictConfig) -> dict:
     try:
         strategy.setup()
         if cfg.trainer.deterministic:  # only when asked: the call itself costs ~1 s of imports
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS refuses determinism without it
+            torch.backends.cudnn.benchmark = False
             torch.use_deterministic_algorithms(True)
         train_set, val_set = instantiate(cfg.data.dataset)
         train_loader, val_loader = build_loaders(
@@ -59,6 +63,7 @@ def train(cfg: DictConfig) -> dict:
             strategy.unwrap(model).load_state_dict(checkpoint["model"])
             optimizer.load_state_dict(checkpoint["optimizer"])
             scheduler.load_state_dict(checkpoint["scheduler"])
+            apply_current_step(scheduler)
             restore_rng_state(checkpoint["rng"])
             state = TrainState(checkpoint["epoch"], checkpoint["global_step"], checkpoint.get("best_metric"))
             log.info("resumed from %s at epoch %d, step %d", cfg.ckpt_path, state.epoch, state.global_step)
@@ -104,6 +109,7 @@ def main(cfg: DictConfig) -> float:
         check_config(cfg, strategy.world_size)
         if cfg.ckpt_path:
             check_resumable(cfg.ckpt_path, cfg)
+        log.info("run directory: %s", cfg.output_dir)
         metrics = strategy.launch(train, cfg)
     log.info("final metrics: %s", {k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()})
     return metrics[cfg.optimized_metric]

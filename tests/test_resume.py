@@ -1,8 +1,10 @@
 """Resuming from a checkpoint ends where the uninterrupted run ends."""
 
 import pytest
+import torch
 
 from conftest import max_param_diff
+from hydraloop.schedulers import apply_current_step, cosine_with_warmup
 
 pytestmark = pytest.mark.slow
 
@@ -43,3 +45,27 @@ def test_resume_across_strategies(run_train):
     single = run_train("trainer.max_epochs=2")
     assert resumed.returncode == 0, resumed.output
     assert max_param_diff(resumed.checkpoint()["model"], single.checkpoint()["model"]) < 1e-5
+
+
+def test_resume_with_more_epochs_follows_the_new_schedule_from_the_first_step():
+    """A finished 2-epoch cosine run ends at lr 0; resumed to 4 epochs, its next step uses the 4-epoch plan."""
+    steps_per_epoch = 10
+
+    def build(max_epochs):
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        scheduler = cosine_with_warmup(optimizer, total_steps=max_epochs * steps_per_epoch,
+                                       steps_per_epoch=steps_per_epoch, warmup_epochs=0.0)
+        return optimizer, scheduler
+
+    optimizer, scheduler = build(2)
+    for _ in range(2 * steps_per_epoch):
+        optimizer.step()
+        scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.0)
+
+    resumed_optimizer, resumed_scheduler = build(4)
+    resumed_optimizer.load_state_dict(optimizer.state_dict())
+    resumed_scheduler.load_state_dict(scheduler.state_dict())
+    apply_current_step(resumed_scheduler)
+    planned_factor = build(4)[1].lr_lambdas[0](2 * steps_per_epoch)  # half-way down the 4-epoch cosine
+    assert resumed_optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * planned_factor) == pytest.approx(0.05)

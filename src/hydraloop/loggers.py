@@ -41,13 +41,12 @@ class TensorBoardLogger(NullLogger):
     def log_hparams(self, hparams: dict[str, Any], metrics: dict[str, float]) -> None:
         from torch.utils.tensorboard.summary import hparams as hparams_summary
 
-        # Written into this run's own event file (SummaryWriter.add_hparams would start a new sub-run).
+        # Written into this run's own event file (SummaryWriter.add_hparams would start a new sub-run). The
+        # HParams view reads each metric's value from the run's own scalar of that name, already logged.
         experiment, session_start, session_end = hparams_summary(hparams, metrics)
         file_writer = self.writer._get_file_writer()
         for summary in (experiment, session_start, session_end):
             file_writer.add_summary(summary)
-        for name, value in metrics.items():
-            self.writer.add_scalar(name, value)
 
     def close(self) -> None:
         self.writer.close()

@@ -9,6 +9,16 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 
+def apply_current_step(scheduler: LambdaLR) -> None:
+    """Sets the optimizer's lr to this schedule's value at its current step.
+
+    After a resume the optimizer state brings back the lr of the checkpoint's plan; when `trainer.max_epochs`
+    changed, the plan (total steps) changed too, and the very next step must already follow the new one.
+    """
+    for group, base_lr, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base_lr * factor(scheduler.last_epoch)
+
+
 def constant(optimizer: Optimizer, *, total_steps: int, steps_per_epoch: int) -> LambdaLR:
     return LambdaLR(optimizer, lambda step: 1.0)
 
