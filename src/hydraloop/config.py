@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 from hydraloop.errors import ConfigError
 
@@ -103,6 +103,9 @@ class TrainConfig:
 
 
 def register_configs() -> None:
+    """The schemas, and the `sweep_direction` resolver: `${sweep_direction:max}` -> maximize (for sweepers)."""
+    if not OmegaConf.has_resolver("sweep_direction"):
+        OmegaConf.register_new_resolver("sweep_direction", lambda mode: {"max": "maximize", "min": "minimize"}[mode])
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
     cs.store(group="schema/parallel", name="single", node=SingleConfig)
