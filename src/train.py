@@ -5,22 +5,22 @@ runs in every rank (builds data, model, optimizer and run writer from the config
 """
 
 import logging
-import os
 
 import hydra
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from hydraloop.checkpoint import check_resumable, load_checkpoint, restore_rng_state
+from hydraloop.backends import configure_backends
+from hydraloop.checkpoint import TrainState, check_resumable, resume
 from hydraloop.config import check_config, register_configs
 from hydraloop.data.loaders import build_loaders
 from hydraloop.errors import ConfigError, exit_on_error
+from hydraloop.precision import Precision
 from hydraloop.rank_logging import setup_rank_logging
 from hydraloop.run_writer import NullRunWriter, RunWriter
-from hydraloop.schedulers import apply_current_step
 from hydraloop.seeding import seed_everything
-from hydraloop.trainer import Trainer, TrainState
+from hydraloop.trainer import Trainer, batches_per_epoch
 
 log = logging.getLogger("hydraloop.train")
 register_configs()
@@ -32,10 +32,9 @@ def train(cfg: DictConfig) -> dict:
     setup_rank_logging(strategy.rank, cfg.log_file)
     try:
         strategy.setup()
-        if cfg.trainer.deterministic:  # only when asked: the call itself costs ~1 s of imports
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS refuses determinism without it
-            torch.backends.cudnn.benchmark = False
-            torch.use_deterministic_algorithms(True)
+        configure_backends(
+            deterministic=cfg.trainer.deterministic, tf32=cfg.trainer.tf32, cudnn_benchmark=cfg.trainer.cudnn_benchmark
+        )
         train_set, val_set = instantiate(cfg.data.dataset)
         train_loader, val_loader = build_loaders(
             train_set,
@@ -47,25 +46,27 @@ def train(cfg: DictConfig) -> dict:
             seed=cfg.seed,
             num_workers=cfg.data.num_workers,
             drop_last=cfg.data.drop_last,
-            pin_memory=strategy.device.type == "cuda",
+            device=strategy.device,
+            on_device=cfg.data.on_device,
+            prefetch_factor=cfg.data.prefetch_factor,
         )
 
         seed_everything(cfg.seed)  # the same on every rank: DDP starts from the weights single-process starts from
-        model = strategy.wrap(instantiate(cfg.model))
+        model = instantiate(cfg.model)
+        if cfg.trainer.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        if cfg.trainer.compile:
+            model.compile()  # in place: no wrapper, so checkpoint keys stay those of the plain model
+        model = strategy.wrap(model)
         optimizer = instantiate(cfg.optimizer)(model.parameters())
-        steps_per_epoch = len(train_loader)
+        steps_per_epoch = batches_per_epoch(train_loader, cfg.trainer.limit_train_batches)
         scheduler = instantiate(cfg.scheduler)(
             optimizer, total_steps=steps_per_epoch * cfg.trainer.max_epochs, steps_per_epoch=steps_per_epoch
         )
+        precision = Precision(cfg.trainer.precision, strategy.device)
         state = TrainState()
         if cfg.ckpt_path:
-            checkpoint = load_checkpoint(cfg.ckpt_path, map_location=strategy.device)
-            strategy.unwrap(model).load_state_dict(checkpoint["model"])
-            optimizer.load_state_dict(checkpoint["optimizer"])
-            scheduler.load_state_dict(checkpoint["scheduler"])
-            apply_current_step(scheduler)
-            restore_rng_state(checkpoint["rng"])
-            state = TrainState(checkpoint["epoch"], checkpoint["global_step"], checkpoint.get("best_metric"))
+            state = resume(cfg.ckpt_path, strategy.unwrap(model), optimizer, scheduler, precision, strategy.device)
             log.info("resumed from %s at epoch %d, step %d", cfg.ckpt_path, state.epoch, state.global_step)
 
         config = OmegaConf.to_container(cfg, resolve=True)
@@ -78,9 +79,8 @@ def train(cfg: DictConfig) -> dict:
         trainer = Trainer(
             strategy,
             writer,
-            max_epochs=cfg.trainer.max_epochs,
-            log_every_n_steps=cfg.trainer.log_every_n_steps,
-            grad_clip_norm=cfg.trainer.grad_clip_norm,
+            precision,
+            cfg.trainer,
             global_batch_size=cfg.data.batch_size,
             seed=cfg.seed,
             optimized_metric=cfg.optimized_metric,

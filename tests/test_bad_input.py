@@ -43,6 +43,9 @@ def assert_rejected_by_hydra(run, *expected: str) -> None:
         ("device=banana", "device=banana: not a device"),
         ("optimized_metric=val/f1", "optimized_metric=val/f1: must be one of val/acc, val/loss"),
         ("optimized_metric_mode=up", "optimized_metric_mode=up: must be max or min"),
+        ("trainer.precision=fp8", "trainer.precision=fp8: must be one of 32, bf16, fp16"),
+        ("trainer.grad_accum_steps=5", "trainer.grad_accum_steps=5: data.batch_size=64 does not split"),
+        ("trainer.limit_train_batches=0", "trainer.limit_train_batches=0: must be positive"),
     ],
 )
 def test_out_of_range_value(run_train, override, message):

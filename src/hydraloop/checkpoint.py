@@ -1,21 +1,39 @@
 """Checkpoints: one dict, loadable with torch.load(weights_only=True), written atomically.
 
 Keys: model (state_dict of the unwrapped model), optimizer, scheduler, epoch (completed epochs), global_step,
-best_metric, metrics (the validation metrics when saved), rng (torch, cuda, numpy, python) and config (resolved).
+best_metric, grad_scaler (fp16 loss scale), metrics (the validation metrics when saved), rng (torch, cuda, numpy,
+python) and config (resolved).
 """
 
 import os
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from hydra.utils import instantiate
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR
 
 from hydraloop.errors import ConfigError
+from hydraloop.precision import Precision
+from hydraloop.schedulers import apply_current_step
 
 REQUIRED_KEYS = ("model", "optimizer", "scheduler", "epoch", "global_step", "rng")
+
+
+@dataclass
+class TrainState:
+    """Where training stands; restored from a checkpoint on resume."""
+
+    epoch: int = 0
+    """Completed epochs."""
+    global_step: int = 0
+    """Completed optimizer steps."""
+    best_metric: float | None = None
 
 
 def save_atomic(obj: Any, path: Path) -> None:
@@ -67,6 +85,25 @@ def check_resumable(path: str | Path, cfg: Any) -> None:
     if problems:
         shown = "; ".join(sorted(problems)[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
         raise ConfigError(f"ckpt_path={path}: does not fit model {model_cfg._target_} ({shown})")
+
+
+def resume(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: Optimizer,
+    scheduler: LambdaLR,
+    precision: Precision,
+    device: torch.device,
+) -> TrainState:
+    """Loads everything a checkpoint holds into the (unwrapped) model and the training objects."""
+    checkpoint = load_checkpoint(path, map_location=device)
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    scheduler.load_state_dict(checkpoint["scheduler"])
+    apply_current_step(scheduler)
+    precision.load_state_dict(checkpoint.get("grad_scaler", {}))
+    restore_rng_state(checkpoint["rng"])
+    return TrainState(checkpoint["epoch"], checkpoint["global_step"], checkpoint.get("best_metric"))
 
 
 def rng_state() -> dict[str, Any]:

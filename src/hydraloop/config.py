@@ -19,6 +19,7 @@ from omegaconf import MISSING, OmegaConf
 from hydraloop.errors import ConfigError
 
 
+PRECISIONS = ("32", "bf16", "fp16")
 VAL_METRICS = ("val/acc", "val/loss")
 """What the validation pass reports; `optimized_metric` names one of them."""
 
@@ -35,6 +36,22 @@ class TrainerConfig:
     """torch.use_deterministic_algorithms(True): slower, bit-reproducible kernels."""
     save_checkpoints: bool = True
     """Write checkpoints/last.pt every epoch and checkpoints/best.pt when `optimized_metric` improves."""
+    precision: str = "32"
+    """32 (float32), bf16 or fp16: autocast for the forward pass and loss; fp16 adds a GradScaler."""
+    compile: bool = False
+    """torch.compile the model in place (Module.compile), so checkpoint keys stay those of the plain model."""
+    grad_accum_steps: int = 1
+    """Split each rank's share of the global batch into this many micro-batches; one optimizer step per batch."""
+    limit_train_batches: Optional[int] = None
+    """Train on at most this many batches per epoch (debugging, start-up benchmarks); null: all."""
+    limit_val_batches: Optional[int] = None
+    """Evaluate at most this many batches per rank; null: the whole validation set."""
+    tf32: bool = True
+    """Allow TensorFloat-32 matmuls and convolutions on Ampere and newer GPUs (no effect on CPU)."""
+    cudnn_benchmark: bool = True
+    """Let cuDNN time its kernels for each input shape and keep the fastest (off in deterministic mode)."""
+    channels_last: bool = False
+    """Store 2-D conv nets and their 4-D inputs channels-last, the layout tensor cores prefer."""
 
 
 @dataclass
@@ -50,6 +67,11 @@ class DataConfig:
     """DataLoader worker processes per rank; 0 loads in the training process (best for small in-memory sets)."""
     drop_last: bool = True
     """Drop the last incomplete global batch, so every step sees `batch_size` samples and DDP matches single."""
+    on_device: bool = False
+    """Keep the whole data set as tensors on the device and draw batches by index, in the sampler's order,
+    without a DataLoader (for data sets that fit in device memory; ignores num_workers)."""
+    prefetch_factor: Optional[int] = None
+    """Batches each DataLoader worker loads ahead; null: PyTorch's default (2). Needs num_workers > 0."""
     dataset: Any = MISSING
     """`_target_` returning (train, val) datasets, with its own keys."""
 
@@ -76,6 +98,12 @@ class DDPConfig:
     timeout_s: float = 300.0
     """Process-group timeout: a collective that waits longer than this fails instead of hanging."""
     find_unused_parameters: bool = False
+    bucket_cap_mb: float = 25.0
+    """Gradients are all-reduced in buckets of about this size, overlapping with the backward pass."""
+    gradient_as_bucket_view: bool = True
+    """Gradients alias DDP's communication buckets: one copy less per step, less memory."""
+    static_graph: bool = False
+    """Promise that the set of used parameters never changes between steps, enabling more optimisations."""
 
 
 @dataclass
@@ -129,6 +157,18 @@ def check_config(cfg: Any, world_size: int) -> None:
         cfg.trainer.log_every_n_steps > 0,
         f"trainer.log_every_n_steps={cfg.trainer.log_every_n_steps}: must be positive",
     )
+    accum = cfg.trainer.grad_accum_steps
+    _require(accum > 0, f"trainer.grad_accum_steps={accum}: must be positive")
+    _require(
+        batch_size % (world_size * accum) == 0,
+        f"trainer.grad_accum_steps={accum}: data.batch_size={batch_size} does not split into {world_size} rank(s) "
+        f"x {accum} equal micro-batches",
+    )
+    precision = str(cfg.trainer.precision)
+    _require(precision in PRECISIONS, f"trainer.precision={precision}: must be one of {', '.join(PRECISIONS)}")
+    for key in ("limit_train_batches", "limit_val_batches"):
+        limit = cfg.trainer[key]
+        _require(limit is None or limit > 0, f"trainer.{key}={limit}: must be positive, or null for no limit")
     clip = cfg.trainer.grad_clip_norm
     _require(clip is None or clip > 0, f"trainer.grad_clip_norm={clip}: must be positive, or null for no clipping")
     lr = cfg.optimizer.get("lr")

@@ -1,11 +1,12 @@
 """The training loop. It runs identically on every rank and talks to the parallel strategy only through
 `all_reduce` and `unwrap`, and to the run directory only through the (possibly null) run writer."""
 
+import itertools
 import logging
 import math
 import operator
 import time
-from dataclasses import dataclass
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -15,21 +16,31 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
-from hydraloop.checkpoint import rng_state
+from hydraloop.checkpoint import TrainState, rng_state
 from hydraloop.parallel.single import SingleDevice
+from hydraloop.precision import Precision
 from hydraloop.run_writer import NullRunWriter
 from hydraloop.seeding import epoch_seed, seed_everything
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class TrainState:
-    epoch: int = 0
-    """Completed epochs."""
-    global_step: int = 0
-    """Completed optimizer steps."""
-    best_metric: float | None = None
+def batches_per_epoch(loader: DataLoader, limit: int | None) -> int:
+    return min(len(loader), limit or len(loader))
+
+
+class Interval:
+    """What the loop accumulates between two logging steps. The loss stays on the device until then."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.loss_sum = torch.zeros((), device=device)
+        self.steps = 0
+        self.data_wait_s = 0.0
+        self.start = time.perf_counter()
+
+    def add(self, loss: Tensor) -> None:
+        self.loss_sum += loss
+        self.steps += 1
 
 
 class Trainer:
@@ -37,21 +48,26 @@ class Trainer:
         self,
         strategy: SingleDevice,
         writer: NullRunWriter,
+        precision: Precision,
+        settings: Any,
         *,
-        max_epochs: int,
-        log_every_n_steps: int,
-        grad_clip_norm: float | None,
         global_batch_size: int,
         seed: int,
         optimized_metric: str,
         optimized_metric_mode: str,
         config: dict[str, Any],
     ) -> None:
+        """`settings` is the `trainer` config node (see hydraloop.config.TrainerConfig for each key)."""
         self.strategy = strategy
         self.writer = writer
-        self.max_epochs = max_epochs
-        self.log_every_n_steps = log_every_n_steps
-        self.grad_clip_norm = grad_clip_norm
+        self.precision = precision
+        self.max_epochs = settings.max_epochs
+        self.log_every_n_steps = settings.log_every_n_steps
+        self.grad_clip_norm = settings.grad_clip_norm
+        self.grad_accum_steps = settings.grad_accum_steps
+        self.limit_train_batches = settings.limit_train_batches
+        self.limit_val_batches = settings.limit_val_batches
+        self.channels_last = settings.channels_last
         self.global_batch_size = global_batch_size
         self.seed = seed
         self.optimized_metric = optimized_metric
@@ -112,43 +128,65 @@ class Trainer:
         device = self.strategy.device
         # Losses are summed on the device and read back only on logging steps: `.item()` is a host sync.
         epoch_loss = torch.zeros((), device=device)
-        interval_loss = torch.zeros((), device=device)
-        interval_steps, interval_start = 0, time.perf_counter()
-        for inputs, targets in loader:
-            inputs = inputs.to(device, non_blocking=True)
-            targets = targets.to(device, non_blocking=True)
-            loss = F.cross_entropy(model(inputs), targets)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if self.grad_clip_norm is not None:
-                # DDP has averaged the gradients by now, so every rank clips by the same global norm.
-                nn.utils.clip_grad_norm_(model.parameters(), self.grad_clip_norm)
-            optimizer.step()
+        interval = Interval(device)
+        batches = iter(loader)
+        for _ in range(batches_per_epoch(loader, self.limit_train_batches)):
+            wait_start = time.perf_counter()
+            inputs, targets = next(batches)
+            interval.data_wait_s += time.perf_counter() - wait_start
+            loss = self.train_step(model, optimizer, inputs.to(device, non_blocking=True),
+                                   targets.to(device, non_blocking=True))
             scheduler.step()
             state.global_step += 1
-            interval_loss += loss.detach()
-            interval_steps += 1
+            interval.add(loss)
             if state.global_step % self.log_every_n_steps == 0:
-                epoch_loss += interval_loss
-                self._log_interval(interval_loss, interval_steps, time.perf_counter() - interval_start, scheduler, state)
-                interval_loss = torch.zeros((), device=device)
-                interval_steps, interval_start = 0, time.perf_counter()
-        epoch_loss += interval_loss
-        return self._global_mean(epoch_loss, len(loader))
+                epoch_loss += interval.loss_sum
+                self._log_interval(interval, scheduler, state)
+                interval = Interval(device)
+        epoch_loss += interval.loss_sum
+        return self._global_mean(epoch_loss, batches_per_epoch(loader, self.limit_train_batches))
 
-    def _log_interval(
-        self, loss_sum: Tensor, steps: int, seconds: float, scheduler: LRScheduler, state: TrainState
-    ) -> None:
+    def train_step(self, model: nn.Module, optimizer: Optimizer, inputs: Tensor, targets: Tensor) -> Tensor:
+        """One optimizer step over this rank's batch, in `grad_accum_steps` micro-batches; returns the mean loss."""
+        if self.channels_last and inputs.ndim == 4:
+            inputs = inputs.contiguous(memory_format=torch.channels_last)
+        optimizer.zero_grad(set_to_none=True)
+        n = self.grad_accum_steps
+        micro_batches = zip(inputs.chunk(n), targets.chunk(n)) if n > 1 else ((inputs, targets),)
+        loss_sum = None
+        for i, (micro_inputs, micro_targets) in enumerate(micro_batches):
+            # Gradients are all-reduced once, after the last micro-batch's backward.
+            with self.strategy.no_sync(model) if i < n - 1 else nullcontext():
+                with self.precision.autocast():
+                    loss = F.cross_entropy(model(micro_inputs), micro_targets)
+                # Equal micro-batches: the mean of their means is the batch mean, as without accumulation.
+                self.precision.backward(loss / n if n > 1 else loss)
+            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+        if self.grad_clip_norm is not None:
+            # DDP has averaged the gradients by now, so every rank clips by the same global norm.
+            self.precision.unscale_(optimizer)
+            nn.utils.clip_grad_norm_(model.parameters(), self.grad_clip_norm)
+        self.precision.step(optimizer)
+        return loss_sum / n if n > 1 else loss_sum
+
+    def _log_interval(self, interval: "Interval", scheduler: LRScheduler, state: TrainState) -> None:
+        seconds = time.perf_counter() - interval.start
+        samples_per_sec = interval.steps * self.global_batch_size / seconds
         metrics = {
-            "train/loss": self._global_mean(loss_sum, steps),
+            "train/loss": self._global_mean(interval.loss_sum, interval.steps),  # the sync point of the interval
             "train/lr": scheduler.get_last_lr()[0],
-            "train/samples_per_sec": steps * self.global_batch_size / seconds,
+            "train/samples_per_sec": samples_per_sec,
+            "perf/samples_per_sec": samples_per_sec,
+            "perf/step_time_ms": 1000 * seconds / interval.steps,
+            "perf/data_wait_frac": interval.data_wait_s / seconds,
         }
+        if self.strategy.device.type == "cuda":
+            metrics["perf/max_memory_gb"] = torch.cuda.max_memory_allocated(self.strategy.device) / 1e9
         self.writer.log_metrics(metrics, state.global_step)
         log.info(
-            "epoch %d step %d | train/loss %.4f | lr %.3g | %.0f samples/s",
-            state.epoch + 1, state.global_step, metrics["train/loss"], metrics["train/lr"],
-            metrics["train/samples_per_sec"],
+            "epoch %d step %d | train/loss %.4f | lr %.3g | %.0f samples/s | data wait %.0f%%",
+            state.epoch + 1, state.global_step, metrics["train/loss"], metrics["train/lr"], samples_per_sec,
+            100 * metrics["perf/data_wait_frac"],
         )
 
     def _global_mean(self, loss_sum: Tensor, steps: int) -> float:
@@ -163,11 +201,14 @@ class Trainer:
         module.eval()
         device = self.strategy.device
         totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
-        for inputs, targets in loader:
+        for inputs, targets in itertools.islice(loader, self.limit_val_batches):
             inputs = inputs.to(device, non_blocking=True)
             targets = targets.to(device, non_blocking=True)
-            logits = module(inputs)
-            totals[0] += F.cross_entropy(logits, targets, reduction="sum").double()
+            if self.channels_last and inputs.ndim == 4:
+                inputs = inputs.contiguous(memory_format=torch.channels_last)
+            with self.precision.autocast():
+                logits = module(inputs)
+            totals[0] += F.cross_entropy(logits.float(), targets, reduction="sum").double()
             totals[1] += (logits.argmax(dim=1) == targets).sum()
             totals[2] += targets.numel()
         loss_sum, correct, count = self.strategy.all_reduce(totals).tolist()
@@ -188,6 +229,7 @@ class Trainer:
             "epoch": state.epoch,
             "global_step": state.global_step,
             "best_metric": state.best_metric,
+            "grad_scaler": self.precision.state_dict(),
             "metrics": metrics,
             "rng": rng_state(),
             "config": self.config,

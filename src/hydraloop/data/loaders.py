@@ -11,7 +11,10 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
+
+from hydraloop.errors import ConfigError
 
 
 class ShardSampler(Sampler[int]):
@@ -25,6 +28,27 @@ class ShardSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return len(self.indices)
+
+
+class DeviceBatches:
+    """Batches indexed straight out of tensors that live on the device, in the order of `sampler`.
+
+    Same shards and order as a DataLoader over the same sampler, without its per-batch Python, collation and
+    host-to-device copies. For data sets that fit in device memory.
+    """
+
+    def __init__(self, tensors: tuple[Tensor, ...], sampler: Sampler[int], batch_size: int, drop_last: bool) -> None:
+        self.tensors, self.sampler, self.batch_size, self.drop_last = tensors, sampler, batch_size, drop_last
+
+    def __len__(self) -> int:
+        full, rest = divmod(len(self.sampler), self.batch_size)
+        return full + (0 if self.drop_last or rest == 0 else 1)
+
+    def __iter__(self) -> Iterator[tuple[Tensor, ...]]:
+        order = torch.tensor(list(self.sampler), device=self.tensors[0].device)
+        for start in range(0, len(self) * self.batch_size, self.batch_size):
+            index = order[start : start + self.batch_size]
+            yield tuple(tensor[index] for tensor in self.tensors)
 
 
 def _seed_worker(worker_id: int) -> None:
@@ -45,31 +69,42 @@ def build_loaders(
     seed: int,
     num_workers: int,
     drop_last: bool,
-    pin_memory: bool,
-) -> tuple[DataLoader, DataLoader]:
+    device: torch.device,
+    on_device: bool = False,
+    prefetch_factor: int | None = None,
+) -> tuple[DataLoader | DeviceBatches, DataLoader | DeviceBatches]:
     # The sampler drops (rather than pads) the tail that does not split evenly over the ranks, so no rank
     # takes an extra batch of duplicated samples that one process would not see.
     train_sampler = DistributedSampler(
         train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=drop_last
     )
+    val_sampler = ShardSampler(len(val_set), rank, world_size)
+    batch_size, val_batch_size = global_batch_size // world_size, max(1, global_val_batch_size // world_size)
+    if on_device:
+        return (
+            DeviceBatches(_device_tensors(train_set, device), train_sampler, batch_size, drop_last),
+            DeviceBatches(_device_tensors(val_set, device), val_sampler, val_batch_size, drop_last=False),
+        )
     common = dict(
         num_workers=num_workers,
-        pin_memory=pin_memory,
+        pin_memory=device.type == "cuda",  # page-locked host memory: asynchronous (non_blocking) copies
         persistent_workers=num_workers > 0,
+        prefetch_factor=prefetch_factor if num_workers > 0 else None,
         worker_init_fn=_seed_worker if num_workers > 0 else None,
     )
     train = DataLoader(
         train_set,
-        batch_size=global_batch_size // world_size,
+        batch_size=batch_size,
         sampler=train_sampler,
         drop_last=drop_last,
         generator=torch.Generator().manual_seed(seed + rank),
         **common,
     )
-    val = DataLoader(
-        val_set,
-        batch_size=max(1, global_val_batch_size // world_size),
-        sampler=ShardSampler(len(val_set), rank, world_size),
-        **common,
-    )
+    val = DataLoader(val_set, batch_size=val_batch_size, sampler=val_sampler, **common)
     return train, val
+
+
+def _device_tensors(dataset: Dataset, device: torch.device) -> tuple[Tensor, ...]:
+    if not isinstance(dataset, TensorDataset):
+        raise ConfigError(f"data.on_device=true: needs a TensorDataset, the data set is a {type(dataset).__name__}")
+    return tuple(tensor.to(device) for tensor in dataset.tensors)

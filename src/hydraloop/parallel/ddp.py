@@ -2,6 +2,7 @@ import logging
 import os
 import uuid
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import TypeVar
 
@@ -37,12 +38,20 @@ class DDPStrategy(SingleDevice):
         backend: str | None = None,
         timeout_s: float = 300.0,
         find_unused_parameters: bool = False,
+        bucket_cap_mb: float = 25.0,
+        gradient_as_bucket_view: bool = True,
+        static_graph: bool = False,
     ) -> None:
         super().__init__(device)
         use_cuda = resolve_device(device).type == "cuda"  # checked by SingleDevice too; needed for defaults
         self.backend = backend or ("nccl" if use_cuda else "gloo")
         self.timeout = timedelta(seconds=timeout_s)
-        self.find_unused_parameters = find_unused_parameters
+        self.ddp_options = dict(
+            find_unused_parameters=find_unused_parameters,
+            bucket_cap_mb=bucket_cap_mb,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            static_graph=static_graph,
+        )
         self.launched_outside = all(key in os.environ for key in LAUNCHER_ENV)
         if self.launched_outside:
             self.rank = int(os.environ["RANK"])
@@ -101,9 +110,10 @@ class DDPStrategy(SingleDevice):
     def wrap(self, model: nn.Module) -> nn.Module:
         model = super().wrap(model)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(
-            model, device_ids=device_ids, find_unused_parameters=self.find_unused_parameters
-        )
+        return DistributedDataParallel(model, device_ids=device_ids, **self.ddp_options)
+
+    def no_sync(self, model: nn.Module) -> AbstractContextManager:
+        return model.no_sync()
 
     def eval_module(self, model: nn.Module) -> nn.Module:
         # DDP's forward can broadcast buffers, a collective that would deadlock when shards differ in length.

@@ -1,4 +1,5 @@
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import TypeVar
 
 import torch
@@ -57,6 +58,10 @@ class SingleDevice:
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module, whose state_dict keys carry no wrapper prefix (`module.`)."""
         return getattr(model, "module", model)
+
+    def no_sync(self, model: nn.Module) -> AbstractContextManager:
+        """Context for the backward passes of all micro-batches but the last: no gradient communication."""
+        return nullcontext()
 
     def eval_module(self, model: nn.Module) -> nn.Module:
         """The module to evaluate with: the wrapped one, unless the wrapper communicates in forward."""
