@@ -1,0 +1,241 @@
+"""Measures what hydraloop costs against plain PyTorch, side by side in one invocation.
+
+    python scripts/benchmark.py [--repeats 5] [--out outputs/benchmark.json] [--device auto] [--precision 32]
+
+(a) Loop throughput: hydraloop's Trainer.train_epoch against a minimal hand-written loop on the same model, data,
+    global batch, optimizer and precision, epochs interleaved (A B A B ...) so drifting machine load hits both.
+(b) Start-up: `python src/train.py` up to its first training step (one step, one validation batch) against
+    `python -c "import torch"`.
+(c) parallel=ddp with 1 and 2 processes against parallel=single, as whole commands.
+
+Prints a table and writes the figures as JSON. Medians throughout; ratios are of medians measured in this run.
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from torch.utils.data import DataLoader
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+from hydraloop.config import register_configs  # noqa: E402
+from hydraloop.data.loaders import build_loaders  # noqa: E402
+from hydraloop.parallel.single import SingleDevice  # noqa: E402
+from hydraloop.precision import Precision  # noqa: E402
+from hydraloop.run_writer import NullRunWriter  # noqa: E402
+from hydraloop.checkpoint import TrainState  # noqa: E402
+from hydraloop.trainer import Trainer  # noqa: E402
+
+WORKLOADS = {
+    "synthetic MLP": ["data=synthetic", "data.dataset.num_train=16384", "data.batch_size=256", "model=mlp"],
+    "MNIST-1D CNN": ["data=mnist1d", "data.batch_size=128", "model=cnn"],
+}
+
+
+def compose_config(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose("train", overrides=[*overrides, "output_dir=/unused", "log_file=/unused"])
+
+
+def hydraloop_epoch(cfg, device: torch.device):
+    """hydraloop's own loop, built from the config as src/train.py builds it; returns a function running 1 epoch."""
+    strategy = SingleDevice(str(device))
+    strategy.setup()
+    train_set, val_set = instantiate(cfg.data.dataset)
+    loader, _ = build_loaders(
+        train_set, val_set, global_batch_size=cfg.data.batch_size, global_val_batch_size=cfg.data.batch_size,
+        rank=0, world_size=1, seed=cfg.seed, num_workers=cfg.data.num_workers, drop_last=True, device=device,
+        on_device=cfg.data.on_device,
+    )
+    torch.manual_seed(cfg.seed)
+    model = strategy.wrap(instantiate(cfg.model))
+    optimizer = instantiate(cfg.optimizer)(model.parameters())
+    scheduler = instantiate(cfg.scheduler)(optimizer, total_steps=10**9, steps_per_epoch=len(loader))
+    trainer = Trainer(
+        strategy, NullRunWriter(), Precision(cfg.trainer.precision, device), cfg.trainer,
+        global_batch_size=cfg.data.batch_size, seed=cfg.seed, optimized_metric="val/acc",
+        optimized_metric_mode="max", config={},
+    )
+    state = TrainState()
+
+    def epoch() -> int:
+        loader.sampler.set_epoch(state.epoch)
+        trainer.train_epoch(model, optimizer, scheduler, loader, state)
+        state.epoch += 1
+        return len(loader) * cfg.data.batch_size
+
+    return epoch
+
+
+def handwritten_epoch(cfg, device: torch.device):
+    """What a researcher writes by hand: a shuffling DataLoader, forward, backward, step."""
+    train_set, _ = instantiate(cfg.data.dataset)
+    loader = DataLoader(train_set, batch_size=cfg.data.batch_size, shuffle=True, drop_last=True,
+                        pin_memory=device.type == "cuda")
+    torch.manual_seed(cfg.seed)
+    model = instantiate(cfg.model).to(device)
+    optimizer = instantiate(cfg.optimizer)(model.parameters())
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(cfg.trainer.precision))
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype is torch.float16)
+
+    def epoch() -> int:
+        model.train()
+        for inputs, targets in loader:
+            inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+            with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+                loss = F.cross_entropy(model(inputs), targets)
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        return len(loader) * cfg.data.batch_size
+
+    return epoch
+
+
+def timed(epoch, device: torch.device) -> float:
+    """Samples per second of one epoch (synchronised at the end on CUDA: the loop itself never waits)."""
+    start = time.perf_counter()
+    samples = epoch()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return samples / (time.perf_counter() - start)
+
+
+def loop_throughput(args, device: torch.device) -> list[dict]:
+    rows = []
+    for name, overrides in WORKLOADS.items():
+        cfg = compose_config([*overrides, f"trainer.precision={args.precision}"])
+        contenders = {"hydraloop": hydraloop_epoch(cfg, device), "hand-written": handwritten_epoch(cfg, device)}
+        for epoch in contenders.values():
+            epoch()  # warm-up: allocator, caches, lazy initialisation
+        samples = {label: [] for label in contenders}
+        for _ in range(args.repeats):
+            for label, epoch in contenders.items():
+                samples[label].append(timed(epoch, device))
+        ours, theirs = statistics.median(samples["hydraloop"]), statistics.median(samples["hand-written"])
+        rows.append({"workload": name, "hydraloop_samples_per_s": ours, "handwritten_samples_per_s": theirs,
+                     "ratio": ours / theirs, "samples": samples})
+    return rows
+
+
+HANDWRITTEN_FIRST_STEP = """
+import torch, torch.nn.functional as F
+model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+x, y = torch.randn(64, 32), torch.randint(0, 10, (64,))
+F.cross_entropy(model(x), y).backward()
+optimizer.step()
+"""
+
+
+def run_command(command: list[str]) -> float:
+    start = time.perf_counter()
+    subprocess.run(command, cwd=REPO, check=True, capture_output=True)
+    return time.perf_counter() - start
+
+
+def startup(args) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        train = [sys.executable, str(REPO / "src" / "train.py"), "data=synthetic", "trainer.max_epochs=1",
+                 "trainer.limit_train_batches=1", "trainer.limit_val_batches=1", "logger=none",
+                 "trainer.save_checkpoints=false", f"device={args.device}", f"hydra.run.dir={tmp}/run"]
+        commands = {
+            "train.py to first step": train,
+            "import torch": [sys.executable, "-c", "import torch"],
+            # Any torch optimizer imports torch._dynamo (~1 s) on first use: a hand-written script pays it too.
+            "hand-written first step": [sys.executable, "-c", HANDWRITTEN_FIRST_STEP],
+        }
+        run_command(train)  # fills the data cache and the OS file cache
+        times = {label: [] for label in commands}
+        for _ in range(args.repeats):
+            for label, command in commands.items():
+                times[label].append(run_command(command))
+    first_step, torch_import, handwritten = (statistics.median(times[label]) for label in commands)
+    return {"train_py_first_step_s": first_step, "import_torch_s": torch_import,
+            "handwritten_first_step_s": handwritten, "overhead_vs_import_torch_s": first_step - torch_import,
+            "overhead_vs_handwritten_s": first_step - handwritten, "samples": times}
+
+
+def ddp_scaling(args) -> list[dict]:
+    """Whole commands; loop throughput from metrics.json (global samples over the time spent in fit)."""
+    common = ["data=synthetic", "data.dataset.num_train=32768", "data.batch_size=256", "model.hidden_sizes=[512,512]",
+              "trainer.max_epochs=3", "trainer.limit_val_batches=1", "logger=none", "trainer.save_checkpoints=false",
+              f"device={args.device}"]
+    variants = {"single": ["parallel=single"], "ddp x1": ["parallel=ddp", "parallel.nproc_per_node=1"],
+                "ddp x2": ["parallel=ddp", "parallel.nproc_per_node=2"]}
+    results = {label: {"wall_s": [], "samples_per_s": []} for label in variants}
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(max(1, args.repeats // 2)):
+            for label, overrides in variants.items():
+                run_dir = Path(tmp) / f"{label.replace(' ', '_')}_{repeat}"
+                wall = run_command([sys.executable, str(REPO / "src" / "train.py"), *common, *overrides,
+                                    f"hydra.run.dir={run_dir}"])
+                metrics = json.loads((run_dir / "metrics.json").read_text())
+                results[label]["wall_s"].append(wall)
+                results[label]["samples_per_s"].append(metrics["global_step"] * 256 / metrics["wall_time_s"])
+    single = statistics.median(results["single"]["samples_per_s"])
+    return [{"variant": label, "wall_s": statistics.median(r["wall_s"]),
+             "samples_per_s": statistics.median(r["samples_per_s"]),
+             "ratio_vs_single": statistics.median(r["samples_per_s"]) / single, "samples": r}
+            for label, r in results.items()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--precision", default="32", choices=["32", "bf16", "fp16"])
+    parser.add_argument("--out", type=Path, default=REPO / "outputs" / "benchmark.json")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["loop", "startup", "ddp"])
+    args = parser.parse_args()
+    register_configs()
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
+
+    report = {
+        "machine": {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+                    "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+                    or "cpu", "cpu_threads": torch.get_num_threads()},
+        "precision": args.precision,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    if "loop" not in args.skip:
+        report["loop"] = loop_throughput(args, device)
+        print("\n(a) loop throughput, samples/s (median of", args.repeats, "interleaved epochs)")
+        print(f"{'workload':<16}{'hydraloop':>12}{'hand-written':>14}{'ratio':>8}")
+        for row in report["loop"]:
+            print(f"{row['workload']:<16}{row['hydraloop_samples_per_s']:>12.0f}"
+                  f"{row['handwritten_samples_per_s']:>14.0f}{row['ratio']:>8.3f}")
+    if "startup" not in args.skip:
+        report["startup"] = startup(args)
+        s = report["startup"]
+        print(f"\n(b) start-up (median of {args.repeats}): train.py to first step {s['train_py_first_step_s']:.2f} s; "
+              f"import torch {s['import_torch_s']:.2f} s (overhead {s['overhead_vs_import_torch_s']:.2f} s); "
+              f"hand-written first step {s['handwritten_first_step_s']:.2f} s "
+              f"(overhead {s['overhead_vs_handwritten_s']:.2f} s)")
+    if "ddp" not in args.skip:
+        report["ddp"] = ddp_scaling(args)
+        print("\n(c) parallel strategies (whole command; loop samples/s from metrics.json)")
+        print(f"{'variant':<10}{'wall s':>9}{'samples/s':>12}{'vs single':>11}")
+        for row in report["ddp"]:
+            print(f"{row['variant']:<10}{row['wall_s']:>9.2f}{row['samples_per_s']:>12.0f}{row['ratio_vs_single']:>11.3f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwritten: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
