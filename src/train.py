@@ -46,6 +46,7 @@ def train(cfg: DictConfig) -> dict:
             seed=cfg.seed,
             num_workers=cfg.data.num_workers,
             drop_last=cfg.data.drop_last,
+            shuffle=cfg.data.shuffle,
             device=strategy.device,
             on_device=cfg.data.on_device,
             prefetch_factor=cfg.data.prefetch_factor,
@@ -66,13 +67,15 @@ def train(cfg: DictConfig) -> dict:
         precision = Precision(cfg.trainer.precision, strategy.device)
         state = TrainState()
         if cfg.ckpt_path:
-            state = resume(cfg.ckpt_path, strategy.unwrap(model), optimizer, scheduler, precision, strategy.device)
-            log.info("resumed from %s at epoch %d, step %d", cfg.ckpt_path, state.epoch, state.global_step)
+            state = resume(cfg.ckpt_path, strategy.unwrap(model), optimizer, scheduler, precision, strategy.device,
+                           model_only=cfg.mode == "eval")
+            log.info("loaded %s: epoch %d, step %d", cfg.ckpt_path, state.epoch, state.global_step)
 
         config = OmegaConf.to_container(cfg, resolve=True)
         writer = (
-            RunWriter(cfg.output_dir, instantiate(cfg.logger, log_dir=f"{cfg.output_dir}/tensorboard"),
-                      cfg.trainer.save_checkpoints, config)
+            RunWriter(cfg.output_dir, instantiate(cfg.logger, log_dir=f"{cfg.output_dir}/tensorboard"), config,
+                      save_checkpoints=cfg.trainer.save_checkpoints and cfg.mode == "train",
+                      profile=cfg.trainer.profile)
             if strategy.is_main_process
             else NullRunWriter()
         )
@@ -87,7 +90,10 @@ def train(cfg: DictConfig) -> dict:
             optimized_metric_mode=cfg.optimized_metric_mode,
             config=config,
         )
-        metrics = trainer.fit(model, optimizer, scheduler, train_loader, val_loader, state)
+        if cfg.mode == "eval":
+            metrics = trainer.validate(model, val_loader, state)
+        else:
+            metrics = trainer.fit(model, optimizer, scheduler, train_loader, val_loader, state)
         writer.finish(metrics)
         return metrics
     except ConfigError:
@@ -109,7 +115,7 @@ def main(cfg: DictConfig) -> float:
         check_config(cfg, strategy.world_size)
         if cfg.ckpt_path:
             check_resumable(cfg.ckpt_path, cfg)
-        log.info("run directory: %s", cfg.output_dir)
+        log.info("run directory: %s\n%s", cfg.output_dir, OmegaConf.to_yaml(cfg).rstrip())
         metrics = strategy.launch(train, cfg)
     log.info("final metrics: %s", {k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()})
     return metrics[cfg.optimized_metric]

@@ -60,13 +60,14 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
 
 
 def check_resumable(path: str | Path, cfg: Any) -> None:
-    """Fail before any process starts if the checkpoint does not fit the configured model and optimizer.
+    """Fail before any process starts if the checkpoint does not fit the configured model (and, to resume
+    training, optimizer).
 
     The model is built on the meta device: shapes only, no memory, no initialisation cost.
     """
     checkpoint = load_checkpoint(path)
     saved_optimizer = checkpoint.get("config", {}).get("optimizer", {}).get("_target_")
-    if saved_optimizer and saved_optimizer != cfg.optimizer._target_:
+    if cfg.mode == "train" and saved_optimizer and saved_optimizer != cfg.optimizer._target_:
         raise ConfigError(
             f"ckpt_path={path}: holds {saved_optimizer} state, the config asks for {cfg.optimizer._target_}"
         )
@@ -94,16 +95,21 @@ def resume(
     scheduler: LambdaLR,
     precision: Precision,
     device: torch.device,
+    model_only: bool = False,
 ) -> TrainState:
-    """Loads everything a checkpoint holds into the (unwrapped) model and the training objects."""
+    """Loads everything a checkpoint holds into the (unwrapped) model and the training objects; with
+    `model_only` (evaluation), the weights alone."""
     checkpoint = load_checkpoint(path, map_location=device)
     model.load_state_dict(checkpoint["model"])
+    state = TrainState(checkpoint["epoch"], checkpoint["global_step"], checkpoint.get("best_metric"))
+    if model_only:
+        return state
     optimizer.load_state_dict(checkpoint["optimizer"])
     scheduler.load_state_dict(checkpoint["scheduler"])
     apply_current_step(scheduler)
     precision.load_state_dict(checkpoint.get("grad_scaler", {}))
     restore_rng_state(checkpoint["rng"])
-    return TrainState(checkpoint["epoch"], checkpoint["global_step"], checkpoint.get("best_metric"))
+    return state
 
 
 def rng_state() -> dict[str, Any]:

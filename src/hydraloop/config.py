@@ -52,6 +52,8 @@ class TrainerConfig:
     """Let cuDNN time its kernels for each input shape and keep the fastest (off in deterministic mode)."""
     channels_last: bool = False
     """Store 2-D conv nets and their 4-D inputs channels-last, the layout tensor cores prefer."""
+    profile: bool = False
+    """torch.profiler over steps 2-5 of the run (rank 0); the trace goes to tensorboard/profiler/."""
 
 
 @dataclass
@@ -67,6 +69,8 @@ class DataConfig:
     """DataLoader worker processes per rank; 0 loads in the training process (best for small in-memory sets)."""
     drop_last: bool = True
     """Drop the last incomplete global batch, so every step sees `batch_size` samples and DDP matches single."""
+    shuffle: bool = True
+    """Reshuffle the training set every epoch (the same permutation on every rank); false: a fixed order."""
     on_device: bool = False
     """Keep the whole data set as tensors on the device and draw batches by index, in the sampler's order,
     without a DataLoader (for data sets that fit in device memory; ignores num_workers)."""
@@ -115,6 +119,8 @@ class TrainConfig:
     scheduler: Any = MISSING
     logger: Any = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    mode: str = "train"
+    """train, or eval: evaluate the weights of `ckpt_path` on the validation set and write metrics.json."""
     seed: int = 0
     """Seeds model init and data order (the same on every rank) and, offset by rank, per-rank randomness."""
     device: str = "auto"
@@ -143,6 +149,9 @@ def register_configs() -> None:
 
 def check_config(cfg: Any, world_size: int) -> None:
     """What the schema's types cannot say: ranges, and how the global batch splits over `world_size` ranks."""
+    _require(cfg.mode in ("train", "eval"), f"mode={cfg.mode}: must be train or eval")
+    _require(cfg.mode != "eval" or cfg.ckpt_path, "mode=eval: needs ckpt_path=<checkpoint to evaluate>")
+    _require(cfg.seed >= 0, f"seed={cfg.seed}: must be non-negative")
     batch_size = cfg.data.batch_size
     _require(batch_size > 0, f"data.batch_size={batch_size}: must be positive")
     _require(

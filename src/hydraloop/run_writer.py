@@ -1,4 +1,4 @@
-"""What rank 0 writes into the run directory: logger events, checkpoints and metrics.json.
+"""What rank 0 writes: logger events, checkpoints, metrics.json, profiler traces, and the console progress bar.
 
 Every other rank gets NullRunWriter, so the training loop calls the same methods on all ranks and never asks
 "am I rank 0?".
@@ -7,16 +7,26 @@ Every other rank gets NullRunWriter, so the training loop calls the same methods
 import json
 import os
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
+from tqdm import tqdm
 
 from hydraloop.checkpoint import save_atomic
+from hydraloop.console import progress_bar
 from hydraloop.loggers import NullLogger
+from hydraloop.profiling import NullProfiler, step_profiler
 
 
 class NullRunWriter:
+    def progress(self, total_steps: int, done_steps: int) -> AbstractContextManager[tqdm]:
+        return progress_bar(total_steps, done_steps, enabled=False)
+
+    def profiler(self) -> AbstractContextManager:
+        return NullProfiler()
+
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         pass
 
@@ -28,14 +38,23 @@ class NullRunWriter:
 
 
 class RunWriter(NullRunWriter):
-    def __init__(self, run_dir: str | Path, logger: NullLogger, save_checkpoints: bool, config: dict[str, Any]) -> None:
+    def __init__(
+        self, run_dir: str | Path, logger: NullLogger, config: dict[str, Any], save_checkpoints: bool, profile: bool
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.logger = logger
         self.save_checkpoints = save_checkpoints
+        self.profile = profile
         self.config = config
         # Indented four spaces: TensorBoard's text plugin renders that as a code block.
         config_yaml = OmegaConf.to_yaml(config)
         logger.log_text("config", "\n".join("    " + line for line in config_yaml.splitlines()))
+
+    def progress(self, total_steps: int, done_steps: int) -> AbstractContextManager[tqdm]:
+        return progress_bar(total_steps, done_steps)
+
+    def profiler(self) -> AbstractContextManager:
+        return step_profiler(self.run_dir / "tensorboard" / "profiler") if self.profile else NullProfiler()
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self.logger.log_metrics(metrics, step)

@@ -86,34 +86,54 @@ class Trainer:
         """Trains from `state` to `max_epochs`, validating and checkpointing after each epoch."""
         start = time.perf_counter()
         train_loss, val_metrics = None, None
-        while state.epoch < self.max_epochs:
-            seed_everything(epoch_seed(self.seed, self.strategy.rank, state.epoch))
-            train_loader.sampler.set_epoch(state.epoch)  # a new permutation per epoch, the same on every rank
-            train_loss = self.train_epoch(model, optimizer, scheduler, train_loader, state)
-            state.epoch += 1
-            val_metrics = self.evaluate(model, val_loader)
-            self.writer.log_metrics({**val_metrics, "train/epoch_loss": train_loss}, state.global_step)
-            log.info(
-                "epoch %d/%d | train/loss %.4f | val/loss %.4f | val/acc %.4f",
-                state.epoch, self.max_epochs, train_loss, val_metrics["val/loss"], val_metrics["val/acc"],
-            )
-            metric = val_metrics[self.optimized_metric]
-            is_best = state.best_metric is None or self.improved(metric, state.best_metric)
-            if is_best:
-                state.best_metric = metric
-            self.writer.save_checkpoint(
-                lambda: self.checkpoint(model, optimizer, scheduler, state, val_metrics), is_best=is_best
-            )
+        total_steps = self.max_epochs * batches_per_epoch(train_loader, self.limit_train_batches)
+        with self.writer.progress(total_steps, state.global_step) as self.progress, \
+                self.writer.profiler() as self.profiler:
+            while state.epoch < self.max_epochs:
+                train_loss, val_metrics = self._epoch(model, optimizer, scheduler, train_loader, val_loader, state)
         if val_metrics is None:  # resumed from a checkpoint at or past max_epochs: nothing left to train
             val_metrics = self.evaluate(model, val_loader)
-        return {
-            **val_metrics,
-            "train/loss": train_loss,
-            "epoch": state.epoch,
-            "global_step": state.global_step,
-            "world_size": self.strategy.world_size,
-            "wall_time_s": time.perf_counter() - start,
-        }
+        wall_time_s = time.perf_counter() - start
+        return {**self._summary(val_metrics, state), "train/loss": train_loss, "wall_time_s": wall_time_s}
+
+    def validate(self, model: nn.Module, val_loader: DataLoader, state: TrainState) -> dict[str, Any]:
+        """mode=eval: the metrics of the weights as they are, with the checkpoint's epoch and step."""
+        start = time.perf_counter()
+        metrics = self.evaluate(model, val_loader)
+        return {**self._summary(metrics, state), "wall_time_s": time.perf_counter() - start}
+
+    def _summary(self, val_metrics: dict[str, float], state: TrainState) -> dict[str, Any]:
+        return {**val_metrics, "epoch": state.epoch, "global_step": state.global_step,
+                "world_size": self.strategy.world_size}
+
+    def _epoch(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer,
+        scheduler: LRScheduler,
+        train_loader: DataLoader,
+        val_loader: DataLoader,
+        state: TrainState,
+    ) -> tuple[float, dict[str, float]]:
+        """One epoch, its validation and its checkpoint."""
+        seed_everything(epoch_seed(self.seed, self.strategy.rank, state.epoch))
+        train_loader.sampler.set_epoch(state.epoch)  # a new permutation per epoch, the same on every rank
+        train_loss = self.train_epoch(model, optimizer, scheduler, train_loader, state)
+        state.epoch += 1
+        val_metrics = self.evaluate(model, val_loader)
+        self.writer.log_metrics({**val_metrics, "train/epoch_loss": train_loss}, state.global_step)
+        log.info(
+            "epoch %d/%d | train/loss %.4f | val/loss %.4f | val/acc %.4f",
+            state.epoch, self.max_epochs, train_loss, val_metrics["val/loss"], val_metrics["val/acc"],
+        )
+        metric = val_metrics[self.optimized_metric]
+        is_best = state.best_metric is None or self.improved(metric, state.best_metric)
+        if is_best:
+            state.best_metric = metric
+        self.writer.save_checkpoint(
+            lambda: self.checkpoint(model, optimizer, scheduler, state, val_metrics), is_best=is_best
+        )
+        return train_loss, val_metrics
 
     def train_epoch(
         self,
@@ -137,6 +157,7 @@ class Trainer:
             loss = self.train_step(model, optimizer, inputs.to(device, non_blocking=True),
                                    targets.to(device, non_blocking=True))
             scheduler.step()
+            self.profiler.step()
             state.global_step += 1
             interval.add(loss)
             if state.global_step % self.log_every_n_steps == 0:
@@ -144,6 +165,7 @@ class Trainer:
                 self._log_interval(interval, scheduler, state)
                 interval = Interval(device)
         epoch_loss += interval.loss_sum
+        self.progress.update(interval.steps)
         return self._global_mean(epoch_loss, batches_per_epoch(loader, self.limit_train_batches))
 
     def train_step(self, model: nn.Module, optimizer: Optimizer, inputs: Tensor, targets: Tensor) -> Tensor:
@@ -183,6 +205,9 @@ class Trainer:
         if self.strategy.device.type == "cuda":
             metrics["perf/max_memory_gb"] = torch.cuda.max_memory_allocated(self.strategy.device) / 1e9
         self.writer.log_metrics(metrics, state.global_step)
+        self.progress.update(interval.steps)
+        self.progress.set_postfix(loss=f"{metrics['train/loss']:.4f}", lr=f"{metrics['train/lr']:.3g}",
+                                  samples_per_s=f"{samples_per_sec:.0f}", refresh=False)
         log.info(
             "epoch %d step %d | train/loss %.4f | lr %.3g | %.0f samples/s | data wait %.0f%%",
             state.epoch + 1, state.global_step, metrics["train/loss"], metrics["train/lr"], samples_per_sec,

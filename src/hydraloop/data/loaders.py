@@ -70,13 +70,14 @@ def build_loaders(
     num_workers: int,
     drop_last: bool,
     device: torch.device,
+    shuffle: bool = True,
     on_device: bool = False,
     prefetch_factor: int | None = None,
 ) -> tuple[DataLoader | DeviceBatches, DataLoader | DeviceBatches]:
     # The sampler drops (rather than pads) the tail that does not split evenly over the ranks, so no rank
     # takes an extra batch of duplicated samples that one process would not see.
     train_sampler = DistributedSampler(
-        train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=drop_last
+        train_set, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
     )
     val_sampler = ShardSampler(len(val_set), rank, world_size)
     batch_size, val_batch_size = global_batch_size // world_size, max(1, global_val_batch_size // world_size)
