@@ -15,10 +15,12 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
+from tqdm import tqdm
 
 from hydraloop.checkpoint import TrainState, rng_state
 from hydraloop.parallel.single import SingleDevice
 from hydraloop.precision import Precision
+from hydraloop.profiling import NullProfiler
 from hydraloop.run_writer import NullRunWriter
 from hydraloop.seeding import epoch_seed, seed_everything
 
@@ -73,6 +75,7 @@ class Trainer:
         self.optimized_metric = optimized_metric
         self.improved = operator.gt if optimized_metric_mode == "max" else operator.lt
         self.config = config  # stored in every checkpoint
+        self.progress, self.profiler = tqdm(disable=True), NullProfiler()  # fit() swaps in the writer's
 
     def fit(
         self,
@@ -192,10 +195,11 @@ class Trainer:
         return loss_sum / n if n > 1 else loss_sum
 
     def _log_interval(self, interval: "Interval", scheduler: LRScheduler, state: TrainState) -> None:
+        loss = self._global_mean(interval.loss_sum, interval.steps)  # the sync point: the device has caught up
         seconds = time.perf_counter() - interval.start
         samples_per_sec = interval.steps * self.global_batch_size / seconds
         metrics = {
-            "train/loss": self._global_mean(interval.loss_sum, interval.steps),  # the sync point of the interval
+            "train/loss": loss,
             "train/lr": scheduler.get_last_lr()[0],
             "train/samples_per_sec": samples_per_sec,
             "perf/samples_per_sec": samples_per_sec,

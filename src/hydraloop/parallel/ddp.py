@@ -91,6 +91,8 @@ class DDPStrategy(SingleDevice):
         except ChildFailedError as failed:
             rank, failure = failed.get_first_failure()
             message = failure.message.get("message") if isinstance(failure.message, dict) else failure.message
+            if str(message).startswith("ConfigError: "):  # bad input only a rank could see, e.g. in a data file
+                raise ConfigError(str(message).removeprefix("ConfigError: ")) from None
             raise WorkerFailed(f"rank {rank} failed (exit code {failure.exitcode}): {message}") from None
 
     def setup(self) -> None:

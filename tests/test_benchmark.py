@@ -1,0 +1,31 @@
+"""The benchmark script runs and reports consistent figures (speed itself is never asserted in tests)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def test_benchmark_reports_loop_and_startup_figures(tmp_path, train_env):
+    out = tmp_path / "benchmark.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "benchmark.py"), "--repeats", "1", "--skip", "ddp",
+         "--out", str(out)],
+        env=train_env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert [row["workload"] for row in report["loop"]] == ["synthetic MLP", "MNIST-1D CNN"]
+    for row in report["loop"]:
+        assert row["ratio"] == pytest.approx(row["hydraloop_samples_per_s"] / row["handwritten_samples_per_s"])
+        assert row["hydraloop_samples_per_s"] > 0 and row["handwritten_samples_per_s"] > 0
+    startup = report["startup"]
+    assert startup["overhead_vs_import_torch_s"] == pytest.approx(
+        startup["train_py_first_step_s"] - startup["import_torch_s"]
+    )
+    assert "(a) loop throughput" in proc.stdout and "(b) start-up" in proc.stdout
