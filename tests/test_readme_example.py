@@ -31,15 +31,15 @@ def readme_files() -> dict[str, str]:
     return files
 
 
-def test_readme_names_the_four_files():
+def test_readme_names_its_files():
     assert set(readme_files()) == {
         "src/hydraloop/models/resmlp.py", "conf/model/resmlp.yaml",
-        "src/hydraloop/data/spirals.py", "conf/data/spirals.yaml",
+        "src/hydraloop/data/spirals.py", "conf/data/spirals.yaml", "conf/optimizer/rmsprop.yaml",
     }
 
 
-@pytest.mark.parametrize("model, min_acc", [("resmlp", 0.95), ("cnn", 0.9)])
-def test_worked_example_trains(tmp_path, train_env, model, min_acc):
+@pytest.mark.parametrize("model, optimizer, min_acc", [("resmlp", "adamw", 0.95), ("cnn", "rmsprop", 0.85)])
+def test_worked_example_trains(tmp_path, train_env, model, optimizer, min_acc):
     for folder in ("src", "conf"):
         shutil.copytree(REPO / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
     for path, text in readme_files().items():
@@ -47,7 +47,7 @@ def test_worked_example_trains(tmp_path, train_env, model, min_acc):
     env = {**train_env, "PYTHONPATH": os.pathsep.join([str(tmp_path / "src"), train_env["PYTHONPATH"]])}
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, str(tmp_path / "src" / "train.py"), f"model={model}", "data=spirals", "logger=none",
+        [sys.executable, str(tmp_path / "src" / "train.py"), f"model={model}", "data=spirals", f"optimizer={optimizer}", "logger=none",
          f"hydra.run.dir={run_dir}"],
         env=env, capture_output=True, text=True, timeout=300,
     )
