@@ -8,12 +8,13 @@ import logging
 
 import hydra
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from hydraloop.backends import configure_backends
 from hydraloop.checkpoint import TrainState, check_resumable, resume
-from hydraloop.config import check_config, register_configs
+from hydraloop.config import check_config, check_required, register_configs
 from hydraloop.data.loaders import build_loaders
 from hydraloop.errors import ConfigError, exit_on_error
 from hydraloop.precision import Precision
@@ -96,9 +97,12 @@ def train(cfg: DictConfig) -> dict:
             metrics = trainer.fit(model, optimizer, scheduler, train_loader, val_loader, state)
         writer.finish(metrics)
         return metrics
-    except ConfigError:
-        raise  # bad input: the launcher reports it as one line
-    except Exception:
+    except Exception as error:
+        # Bad input (also when a data set or model constructor rejected its arguments): the launcher reports
+        # it as one line. Anything else is a failure, logged with its traceback.
+        cause = error.__cause__ if isinstance(error, InstantiationException) else error
+        if isinstance(cause, ConfigError):
+            raise cause from None
         log.exception("training failed")
         raise
     finally:
@@ -109,6 +113,7 @@ def train(cfg: DictConfig) -> dict:
 def main(cfg: DictConfig) -> float:
     """Checks the config, starts the ranks, and returns `optimized_metric` to Hydra's sweepers."""
     with exit_on_error():
+        check_required(cfg)  # before resolving, which would fail on a `???` with a traceback
         # Resolved here, where Hydra's resolvers work: worker processes get plain values and never touch Hydra.
         cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True), flags={"struct": True})
         strategy = instantiate(cfg.parallel, device=cfg.device)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -189,6 +190,21 @@ def check_config(cfg: Any, world_size: int) -> None:
     _require(metric in VAL_METRICS, f"optimized_metric={metric}: must be one of {', '.join(VAL_METRICS)}")
     mode = cfg.optimized_metric_mode
     _require(mode in ("max", "min"), f"optimized_metric_mode={mode}: must be max or min")
+
+
+def check_required(cfg: Any) -> None:
+    """`???` in a yaml marks a value the user must give, e.g. data=tensors's data.dataset.path."""
+    missing = list(_missing_paths(OmegaConf.to_container(cfg, resolve=False)))  # interpolations stay text
+    if missing:
+        raise ConfigError(f"{', '.join(missing)}: required; set it on the command line, e.g. {missing[0]}=...")
+
+
+def _missing_paths(node: Any, prefix: str = "") -> Iterator[str]:
+    if isinstance(node, (dict, list)):
+        for key, value in node.items() if isinstance(node, dict) else enumerate(node):
+            yield from _missing_paths(value, f"{prefix}{key}.")
+    elif node == "???":
+        yield prefix.rstrip(".")
 
 
 def _require(condition: bool, message: str) -> None:

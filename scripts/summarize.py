@@ -1,0 +1,277 @@
+"""Summarize a Hydra multirun: one row per job, best first, and the validation curves of all jobs in one figure.
+
+    python scripts/summarize.py outputs/multirun/DATE/TIME [--out DIR]
+
+Reads every job folder (0, 1, ...): `.hydra/overrides.yaml`, `.hydra/config.yaml` (for `optimized_metric` and
+`optimized_metric_mode`, which set the order) and `metrics.json`. Jobs without `metrics.json` (failed or still
+running) are skipped with a note on stderr. Writes into the multirun folder (or DIR):
+
+- `summary.md`: a markdown table (also printed to stdout), sorted best-first by the optimized metric;
+- `summary.csv`: the same rows with every key of metrics.json, values exactly as the jobs wrote them;
+- `val_curves.png`: val/acc and val/loss against the optimizer step, one line per job, read from the job's
+  TensorBoard event files; a job without events (logger=none) shows as one point, its final metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+TABLE_METRICS = ("val/acc", "val/loss", "train/loss", "epoch", "wall_time_s")
+CURVES = (("val/acc", "validation accuracy"), ("val/loss", "validation loss"))
+
+
+@dataclass
+class Job:
+    name: str
+    path: Path
+    overrides: list[str]
+    metrics: dict[str, Any]
+    optimized_metric: str
+    mode: str
+    label: str = ""
+    curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    from_events: bool = False
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("sweep_dir", type=Path, help="a multirun folder, with job folders 0, 1, ...")
+    parser.add_argument("--out", type=Path, default=None, help="where to write (default: the multirun folder)")
+    args = parser.parse_args(argv)
+
+    sweep_dir: Path = args.sweep_dir
+    if not sweep_dir.is_dir():
+        print(f"summarize: {sweep_dir}: no such folder", file=sys.stderr)
+        return 2
+    job_dirs = sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
+    if not job_dirs:
+        print(f"summarize: {sweep_dir}: no job folders (0, 1, ...); is it a multirun folder?", file=sys.stderr)
+        return 2
+    jobs = [job for job in map(read_job, job_dirs) if job is not None]
+    if not jobs:
+        print(f"summarize: {sweep_dir}: none of the {len(job_dirs)} jobs wrote metrics.json", file=sys.stderr)
+        return 1
+
+    metric, mode = order_by(jobs)
+    jobs.sort(key=lambda job: sort_key(job, metric, mode))
+    common = label_jobs(jobs)
+    for job in jobs:
+        read_curves(job)
+
+    out: Path = args.out or sweep_dir
+    out.mkdir(parents=True, exist_ok=True)
+    markdown = render_markdown(sweep_dir, jobs, metric, mode, common, skipped=len(job_dirs) - len(jobs))
+    (out / "summary.md").write_text(markdown)
+    write_csv(out / "summary.csv", jobs)
+    plot_curves(out / "val_curves.png", sweep_dir, jobs, metric, mode)
+    print(markdown, end="")
+    print(f"\nwrote {out / 'summary.md'}, {out / 'summary.csv'}, {out / 'val_curves.png'}", file=sys.stderr)
+    return 0
+
+
+# --- reading ---------------------------------------------------------------------------------------------------
+
+
+def read_job(path: Path) -> Job | None:
+    metrics_file = path / "metrics.json"
+    if not metrics_file.is_file():
+        print(f"summarize: skipping job {path.name}: no metrics.json (failed or unfinished)", file=sys.stderr)
+        return None
+    overrides = load_yaml(path / ".hydra" / "overrides.yaml") or []
+    config = load_yaml(path / ".hydra" / "config.yaml") or {}
+    return Job(
+        name=path.name,
+        path=path,
+        overrides=[str(item) for item in overrides],
+        metrics=json.loads(metrics_file.read_text()),
+        optimized_metric=str(config.get("optimized_metric", "val/acc")),
+        mode=str(config.get("optimized_metric_mode", "max")),
+    )
+
+
+def load_yaml(path: Path) -> Any:
+    return yaml.safe_load(path.read_text()) if path.is_file() else None
+
+
+def read_curves(job: Job) -> None:
+    """The job's val curves from its TensorBoard events, else the final point from metrics.json."""
+    events = job.path / "tensorboard"
+    if events.is_dir() and any(events.glob("events.out.tfevents.*")):
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0})  # 0: keep every point
+        accumulator.Reload()
+        tags = set(accumulator.Tags().get("scalars", []))
+        for tag, _ in CURVES:
+            if tag in tags:
+                points = {event.step: event.value for event in accumulator.Scalars(tag)}  # last write per step
+                job.curves[tag] = sorted(points.items())
+        job.from_events = bool(job.curves)
+    if not job.curves:
+        step = job.metrics.get("global_step", 0)
+        for tag, _ in CURVES:
+            if isinstance(job.metrics.get(tag), (int, float)):
+                job.curves[tag] = [(step, float(job.metrics[tag]))]
+
+
+# --- ordering and labels ---------------------------------------------------------------------------------------
+
+
+def order_by(jobs: list[Job]) -> tuple[str, str]:
+    """The sweep's optimized metric and mode, from the jobs' configs (the first job's if they disagree)."""
+    choices = {(job.optimized_metric, job.mode) for job in jobs}
+    metric, mode = jobs[0].optimized_metric, jobs[0].mode
+    if len(choices) > 1:
+        print(
+            f"summarize: jobs optimize different metrics {sorted(choices)}; ordering by {metric} ({mode})",
+            file=sys.stderr,
+        )
+    return metric, mode
+
+
+def sort_key(job: Job, metric: str, mode: str) -> tuple[bool, float, int]:
+    value = job.metrics.get(metric)
+    missing = not isinstance(value, (int, float)) or math.isnan(value)
+    score = 0.0 if missing else (-value if mode == "max" else value)
+    return missing, score, int(job.name)  # jobs without the metric last; ties in job order
+
+
+def label_jobs(jobs: list[Job]) -> list[str]:
+    """Labels each job by the overrides that differ between jobs; returns the overrides all jobs share."""
+    shared = set.intersection(*(set(job.overrides) for job in jobs)) if len(jobs) > 1 else set()
+    for job in jobs:
+        own = [item for item in job.overrides if item not in shared]
+        job.label = " ".join(own) or " ".join(job.overrides) or "(no overrides)"
+    return [item for item in jobs[0].overrides if item in shared]
+
+
+def legend_labels(jobs: list[Job], width: int = 90) -> list[str]:
+    """Shorter labels for the legend: `optimizer.lr=0.006511539963572568` -> `lr=0.006512` (the key's last part
+    where that is unambiguous; floats to 4 significant digits), cut at `width` characters."""
+    keys = {item.split("=", 1)[0] for job in jobs for item in job.label.split() if "=" in item}
+    last = [key.rsplit(".", 1)[-1] for key in keys]
+    short = {key: key.rsplit(".", 1)[-1] if last.count(key.rsplit(".", 1)[-1]) == 1 else key for key in keys}
+    labels = []
+    for job in jobs:
+        parts = []
+        for item in job.label.split():
+            key, sep, value = item.partition("=")
+            value = re.sub(r"(?<![\w.])-?\d+\.\d{5,}(?:e-?\d+)?", lambda m: f"{float(m.group()):.4g}", value)
+            parts.append(f"{short.get(key, key)}{sep}{value}")
+        text = f"{job.name}: {' '.join(parts)}"
+        labels.append(text if len(text) <= width else text[: width - 1] + "…")
+    return labels
+
+
+# --- writing ---------------------------------------------------------------------------------------------------
+
+
+def fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4f}" if abs(value) >= 1e-3 or value == 0 else f"{value:.3g}"
+    return str(value)
+
+
+def render_markdown(sweep_dir: Path, jobs: list[Job], metric: str, mode: str, common: list[str], skipped: int) -> str:
+    lines = [f"# Sweep summary: {sweep_dir}", ""]
+    lines.append(
+        f"{len(jobs)} job(s), best first by `{metric}` ({mode})"
+        + (f"; {skipped} job(s) without metrics.json skipped." if skipped else ".")
+    )
+    if common:
+        lines.append(f"Overrides shared by all jobs: `{' '.join(common)}`")
+    results = load_yaml(sweep_dir / "optimization_results.yaml")
+    if isinstance(results, dict) and "best_value" in results:
+        params = " ".join(f"{key}={value}" for key, value in (results.get("best_params") or {}).items())
+        lines.append(f"Optuna's best: {fmt(results['best_value'])} with `{params}`")
+    lines += [
+        "",
+        "| job | overrides | " + " | ".join(TABLE_METRICS) + " |",
+        "|---:|---|" + "---:|" * len(TABLE_METRICS),
+    ]
+    for job in jobs:
+        cells = [job.name, f"`{job.label}`".replace("|", "\\|"), *(fmt(job.metrics.get(key)) for key in TABLE_METRICS)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_csv(path: Path, jobs: list[Job]) -> None:
+    """Every metrics.json key (the table's first), values as written: json floats round-trip through repr."""
+    extra = sorted({key for job in jobs for key in job.metrics} - set(TABLE_METRICS))
+    columns = ["job", "overrides", "all_overrides", *TABLE_METRICS, *extra]
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns)
+        writer.writeheader()
+        for job in jobs:
+            row = {"job": job.name, "overrides": job.label, "all_overrides": " ".join(job.overrides)}
+            row.update({key: job.metrics.get(key, "") for key in (*TABLE_METRICS, *extra)})
+            writer.writerow({key: "" if value is None else value for key, value in row.items()})
+
+
+def plot_curves(path: Path, sweep_dir: Path, jobs: list[Job], metric: str, mode: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = legend_labels(jobs)
+    columns = 1 if len(jobs) <= 8 else 2
+    legend_rows = -(-len(jobs) // columns)
+    fig, axes = plt.subplots(1, len(CURVES), figsize=(14, 4.5 + 0.2 * legend_rows), constrained_layout=True)
+    colors = plt.get_cmap("viridis" if len(jobs) > 10 else "tab10")
+    for index, (job, label) in enumerate(zip(jobs, labels)):  # best first: first colour, thicker line
+        color = colors(index / max(1, len(jobs) - 1)) if len(jobs) > 10 else colors(index % 10)
+        for ax, (tag, _) in zip(axes, CURVES):
+            points = job.curves.get(tag)
+            if not points:
+                continue
+            steps, values = zip(*points)
+            marker = "o" if len(points) == 1 else ("." if len(points) <= 30 else None)
+            ax.plot(
+                steps,
+                values,
+                color=color,
+                linewidth=2.4 if index == 0 else 1.2,
+                marker=marker,
+                label=label,
+                zorder=len(jobs) - index,
+            )
+    for ax, (tag, title) in zip(axes, CURVES):
+        ax.set_title(title)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(tag)
+        ax.grid(alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()
+    if not handles:
+        handles, labels = axes[1].get_legend_handles_labels()
+    fig.legend(
+        handles,
+        labels,
+        loc="outside lower center",
+        ncols=columns,
+        fontsize=8,
+        title=f"job: overrides (best first by {metric}, {mode})",
+        title_fontsize=8,
+    )
+    title = f"Validation curves: {'/'.join(sweep_dir.resolve().parts[-2:])}"
+    if not all(job.from_events for job in jobs):
+        title += "\n(single points: the final metrics.json of jobs without TensorBoard events, e.g. logger=none)"
+    fig.suptitle(title)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""Your own arrays as a data set, without code: `data=tensors data.dataset.path=my.npz data.input_shape=[20]
+data.num_classes=3`.
+
+The file is a numpy `.npz` (`np.savez("my.npz", x=x, y=y)`) or a torch `.pt` holding a dict of tensors
+(`torch.save({"x": x, "y": y}, "my.pt")`, read with `weights_only=True`, so loading it runs no code). `x` holds the
+inputs, floating point, shaped `(N, *input_shape)`; `y` the labels, integer class indices in `[0, num_classes)`,
+shaped `(N,)`. If the file also holds `x_val` and `y_val` (`<x_key>_val`, `<y_key>_val`), they are the validation
+set; otherwise a fixed `val_fraction` of the samples is held out, chosen by `split_seed`.
+
+Anything wrong with the file is a ConfigError: one line naming the config key, the value and what was found.
+"""
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import TensorDataset
+
+from hydraloop.errors import ConfigError
+
+SUFFIXES = (".npz", ".pt")
+
+
+def load_tensors(
+    path: str,
+    input_shape: Sequence[int],
+    num_classes: int,
+    val_fraction: float = 0.2,
+    split_seed: int = 0,
+    x_key: str = "x",
+    y_key: str = "y",
+) -> tuple[TensorDataset, TensorDataset]:
+    """(train, val) TensorDatasets of float32 inputs and int64 labels read from `path` (.npz or .pt)."""
+    where = f"data.dataset.path={path}"
+    arrays = _read(Path(str(path)), where)
+    x_val_key, y_val_key = f"{x_key}_val", f"{y_key}_val"
+    missing = [key for key in (x_key, y_key) if key not in arrays]
+    if missing:
+        raise ConfigError(
+            f"{where}: no {_names(missing)} in the file (data.dataset.x_key={x_key}, data.dataset.y_key={y_key}); "
+            f"it holds {_names(sorted(arrays)) or 'nothing'}"
+        )
+    has_val = [key in arrays for key in (x_val_key, y_val_key)]
+    if any(has_val) and not all(has_val):
+        present, absent = (x_val_key, y_val_key) if has_val[0] else (y_val_key, x_val_key)
+        raise ConfigError(f"{where}: has '{present}' but no '{absent}'; give both for a validation set, or neither")
+
+    input_shape = [int(size) for size in input_shape]
+    x, y = _checked(arrays, x_key, y_key, input_shape, num_classes, where)
+    if all(has_val):
+        x_val, y_val = _checked(arrays, x_val_key, y_val_key, input_shape, num_classes, where)
+        return TensorDataset(x, y), TensorDataset(x_val, y_val)
+
+    if not 0 < val_fraction < 1:
+        raise ConfigError(
+            f"data.dataset.val_fraction={val_fraction}: must be between 0 and 1 (exclusive), "
+            f"or give '{x_val_key}' and '{y_val_key}' in the file"
+        )
+    num_val = int(round(len(y) * val_fraction))
+    if not 0 < num_val < len(y):
+        raise ConfigError(
+            f"data.dataset.val_fraction={val_fraction}: leaves {num_val} of {len(y)} samples for validation "
+            f"and {len(y) - num_val} for training; both need at least one"
+        )
+    order = torch.from_numpy(np.random.default_rng(split_seed).permutation(len(y)))
+    val, train = order[:num_val], order[num_val:]
+    return TensorDataset(x[train], y[train]), TensorDataset(x[val], y[val])
+
+
+def _read(path: Path, where: str) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        absolute = f" ({path.resolve()})" if not path.is_absolute() else ""
+        problem = "a directory, not a file" if path.is_dir() else "no such file"
+        raise ConfigError(f"{where}: {problem}{absolute}")
+    suffix = path.suffix.lower()
+    if suffix not in SUFFIXES:
+        raise ConfigError(f"{where}: unsupported file type '{suffix or path.name}'; use {' or '.join(SUFFIXES)}")
+    try:
+        if suffix == ".npz":
+            with np.load(path, allow_pickle=False) as npz:
+                loaded: Any = {key: npz[key] for key in npz.files}
+        else:
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # a corrupt or foreign file: say so in one line, without the unpickler's story
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ConfigError(f"{where}: cannot be read as {suffix}: {first_line}") from error
+    if not isinstance(loaded, Mapping):
+        raise ConfigError(f"{where}: holds a {type(loaded).__name__}; a .pt file must hold a dict of tensors")
+    arrays = {}
+    for key, value in loaded.items():
+        if isinstance(value, np.ndarray):
+            try:
+                value = torch.from_numpy(value)
+            except TypeError:
+                raise ConfigError(f"{where}: '{key}' has dtype {value.dtype}, which is not numeric") from None
+        arrays[str(key)] = value  # anything else is rejected by _checked, if it is a key we use
+    return arrays
+
+
+def _checked(
+    arrays: dict[str, Any], x_key: str, y_key: str, input_shape: list[int], num_classes: int, where: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = arrays[x_key], arrays[y_key]
+    for key, value in ((x_key, x), (y_key, y)):
+        if not isinstance(value, torch.Tensor):
+            raise ConfigError(f"{where}: '{key}' holds a {type(value).__name__}, not a tensor")
+    if not x.is_floating_point():
+        raise ConfigError(f"{where}: '{x_key}' has dtype {_dtype(x)}; inputs must be floating point (e.g. float32)")
+    if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
+        raise ConfigError(
+            f"{where}: '{y_key}' has dtype {_dtype(y)}; labels must be integer class indices (e.g. int64)"
+        )
+    if y.dim() != 1:
+        raise ConfigError(
+            f"{where}: '{y_key}' has shape {list(y.shape)}; labels must be one class index per sample, "
+            "shape [N] (not one-hot)"
+        )
+    if x.dim() == 0 or len(x) != len(y):
+        raise ConfigError(
+            f"{where}: '{x_key}' has {len(x) if x.dim() else 0} samples but '{y_key}' has {len(y)}; "
+            "they must have the same length"
+        )
+    if len(y) == 0:
+        raise ConfigError(f"{where}: '{x_key}' and '{y_key}' hold no samples")
+    if not input_shape or min(input_shape) <= 0:
+        raise ConfigError(f"data.input_shape={input_shape}: must be a list of positive sizes, e.g. [20] or [1, 28, 28]")
+    if list(x.shape[1:]) != input_shape:
+        raise ConfigError(
+            f"{where}: '{x_key}' samples have shape {list(x.shape[1:])} ('{x_key}' is {list(x.shape)}), "
+            f"but data.input_shape={input_shape}"
+        )
+    low, high = int(y.min()), int(y.max())
+    if low < 0 or high >= num_classes:
+        raise ConfigError(
+            f"{where}: '{y_key}' holds labels from {low} to {high}, outside [0, data.num_classes={num_classes})"
+        )
+    x = x.to(torch.float32)
+    bad = int((~torch.isfinite(x)).sum())
+    if bad:
+        raise ConfigError(f"{where}: '{x_key}' holds {bad} NaN or infinite value(s) (as float32)")
+    return x.contiguous(), y.to(torch.int64)
+
+
+def _names(keys: Sequence[str]) -> str:
+    return ", ".join(f"'{key}'" for key in keys)
+
+
+def _dtype(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
