@@ -30,12 +30,12 @@ from torch.utils.data import DataLoader
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
+from hydraloop.checkpoint import TrainState  # noqa: E402
 from hydraloop.config import register_configs  # noqa: E402
 from hydraloop.data.loaders import build_loaders  # noqa: E402
 from hydraloop.parallel.single import SingleDevice  # noqa: E402
 from hydraloop.precision import Precision  # noqa: E402
 from hydraloop.run_writer import NullRunWriter  # noqa: E402
-from hydraloop.checkpoint import TrainState  # noqa: E402
 from hydraloop.trainer import Trainer  # noqa: E402
 
 WORKLOADS = {
@@ -55,8 +55,16 @@ def hydraloop_epoch(cfg, device: torch.device):
     strategy.setup()
     train_set, val_set = instantiate(cfg.data.dataset)
     loader, _ = build_loaders(
-        train_set, val_set, global_batch_size=cfg.data.batch_size, global_val_batch_size=cfg.data.batch_size,
-        rank=0, world_size=1, seed=cfg.seed, num_workers=cfg.data.num_workers, drop_last=True, device=device,
+        train_set,
+        val_set,
+        global_batch_size=cfg.data.batch_size,
+        global_val_batch_size=cfg.data.batch_size,
+        rank=0,
+        world_size=1,
+        seed=cfg.seed,
+        num_workers=cfg.data.num_workers,
+        drop_last=True,
+        device=device,
         on_device=cfg.data.on_device,
     )
     torch.manual_seed(cfg.seed)
@@ -64,9 +72,15 @@ def hydraloop_epoch(cfg, device: torch.device):
     optimizer = instantiate(cfg.optimizer)(model.parameters())
     scheduler = instantiate(cfg.scheduler)(optimizer, total_steps=10**9, steps_per_epoch=len(loader))
     trainer = Trainer(
-        strategy, NullRunWriter(), Precision(cfg.trainer.precision, device), cfg.trainer,
-        global_batch_size=cfg.data.batch_size, seed=cfg.seed, optimized_metric="val/acc",
-        optimized_metric_mode="max", config={},
+        strategy,
+        NullRunWriter(),
+        Precision(cfg.trainer.precision, device),
+        cfg.trainer,
+        global_batch_size=cfg.data.batch_size,
+        seed=cfg.seed,
+        optimized_metric="val/acc",
+        optimized_metric_mode="max",
+        config={},
     )
     state = TrainState()
 
@@ -82,8 +96,9 @@ def hydraloop_epoch(cfg, device: torch.device):
 def handwritten_epoch(cfg, device: torch.device):
     """What a researcher writes by hand: a shuffling DataLoader, forward, backward, step."""
     train_set, _ = instantiate(cfg.data.dataset)
-    loader = DataLoader(train_set, batch_size=cfg.data.batch_size, shuffle=True, drop_last=True,
-                        pin_memory=device.type == "cuda")
+    loader = DataLoader(
+        train_set, batch_size=cfg.data.batch_size, shuffle=True, drop_last=True, pin_memory=device.type == "cuda"
+    )
     torch.manual_seed(cfg.seed)
     model = instantiate(cfg.model).to(device)
     optimizer = instantiate(cfg.optimizer)(model.parameters())
@@ -126,8 +141,15 @@ def loop_throughput(args, device: torch.device) -> list[dict]:
             for label, epoch in contenders.items():
                 samples[label].append(timed(epoch, device))
         ours, theirs = statistics.median(samples["hydraloop"]), statistics.median(samples["hand-written"])
-        rows.append({"workload": name, "hydraloop_samples_per_s": ours, "handwritten_samples_per_s": theirs,
-                     "ratio": ours / theirs, "samples": samples})
+        rows.append(
+            {
+                "workload": name,
+                "hydraloop_samples_per_s": ours,
+                "handwritten_samples_per_s": theirs,
+                "ratio": ours / theirs,
+                "samples": samples,
+            }
+        )
     return rows
 
 
@@ -149,9 +171,18 @@ def run_command(command: list[str]) -> float:
 
 def startup(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        train = [sys.executable, str(REPO / "src" / "train.py"), "data=synthetic", "trainer.max_epochs=1",
-                 "trainer.limit_train_batches=1", "trainer.limit_val_batches=1", "logger=none",
-                 "trainer.save_checkpoints=false", f"device={args.device}", f"hydra.run.dir={tmp}/run"]
+        train = [
+            sys.executable,
+            str(REPO / "src" / "train.py"),
+            "data=synthetic",
+            "trainer.max_epochs=1",
+            "trainer.limit_train_batches=1",
+            "trainer.limit_val_batches=1",
+            "logger=none",
+            "trainer.save_checkpoints=false",
+            f"device={args.device}",
+            f"hydra.run.dir={tmp}/run",
+        ]
         commands = {
             "train.py to first step": train,
             "import torch": [sys.executable, "-c", "import torch"],
@@ -164,33 +195,56 @@ def startup(args) -> dict:
             for label, command in commands.items():
                 times[label].append(run_command(command))
     first_step, torch_import, handwritten = (statistics.median(times[label]) for label in commands)
-    return {"train_py_first_step_s": first_step, "import_torch_s": torch_import,
-            "handwritten_first_step_s": handwritten, "overhead_vs_import_torch_s": first_step - torch_import,
-            "overhead_vs_handwritten_s": first_step - handwritten, "samples": times}
+    return {
+        "train_py_first_step_s": first_step,
+        "import_torch_s": torch_import,
+        "handwritten_first_step_s": handwritten,
+        "overhead_vs_import_torch_s": first_step - torch_import,
+        "overhead_vs_handwritten_s": first_step - handwritten,
+        "samples": times,
+    }
 
 
 def ddp_scaling(args) -> list[dict]:
     """Whole commands; loop throughput from metrics.json (global samples over the time spent in fit)."""
-    common = ["data=synthetic", "data.dataset.num_train=32768", "data.batch_size=256", "model.hidden_sizes=[512,512]",
-              "trainer.max_epochs=3", "trainer.limit_val_batches=1", "logger=none", "trainer.save_checkpoints=false",
-              f"device={args.device}"]
-    variants = {"single": ["parallel=single"], "ddp x1": ["parallel=ddp", "parallel.nproc_per_node=1"],
-                "ddp x2": ["parallel=ddp", "parallel.nproc_per_node=2"]}
+    common = [
+        "data=synthetic",
+        "data.dataset.num_train=32768",
+        "data.batch_size=256",
+        "model.hidden_sizes=[512,512]",
+        "trainer.max_epochs=3",
+        "trainer.limit_val_batches=1",
+        "logger=none",
+        "trainer.save_checkpoints=false",
+        f"device={args.device}",
+    ]
+    variants = {
+        "single": ["parallel=single"],
+        "ddp x1": ["parallel=ddp", "parallel.nproc_per_node=1"],
+        "ddp x2": ["parallel=ddp", "parallel.nproc_per_node=2"],
+    }
     results = {label: {"wall_s": [], "samples_per_s": []} for label in variants}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(max(1, args.repeats // 2)):
             for label, overrides in variants.items():
                 run_dir = Path(tmp) / f"{label.replace(' ', '_')}_{repeat}"
-                wall = run_command([sys.executable, str(REPO / "src" / "train.py"), *common, *overrides,
-                                    f"hydra.run.dir={run_dir}"])
+                wall = run_command(
+                    [sys.executable, str(REPO / "src" / "train.py"), *common, *overrides, f"hydra.run.dir={run_dir}"]
+                )
                 metrics = json.loads((run_dir / "metrics.json").read_text())
                 results[label]["wall_s"].append(wall)
                 results[label]["samples_per_s"].append(metrics["global_step"] * 256 / metrics["wall_time_s"])
     single = statistics.median(results["single"]["samples_per_s"])
-    return [{"variant": label, "wall_s": statistics.median(r["wall_s"]),
-             "samples_per_s": statistics.median(r["samples_per_s"]),
-             "ratio_vs_single": statistics.median(r["samples_per_s"]) / single, "samples": r}
-            for label, r in results.items()]
+    return [
+        {
+            "variant": label,
+            "wall_s": statistics.median(r["wall_s"]),
+            "samples_per_s": statistics.median(r["samples_per_s"]),
+            "ratio_vs_single": statistics.median(r["samples_per_s"]) / single,
+            "samples": r,
+        }
+        for label, r in results.items()
+    ]
 
 
 def main() -> None:
@@ -202,13 +256,22 @@ def main() -> None:
     parser.add_argument("--skip", nargs="*", default=[], choices=["loop", "startup", "ddp"])
     args = parser.parse_args()
     register_configs()
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else "cpu"
+        if args.device == "auto"
+        else args.device
+    )
 
     report = {
-        "machine": {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-                    "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
-                    or "cpu", "cpu_threads": torch.get_num_threads()},
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+            "cpu_threads": torch.get_num_threads(),
+        },
         "precision": args.precision,
         "date": time.strftime("%Y-%m-%d"),
     }
@@ -217,21 +280,27 @@ def main() -> None:
         print("\n(a) loop throughput, samples/s (median of", args.repeats, "interleaved epochs)")
         print(f"{'workload':<16}{'hydraloop':>12}{'hand-written':>14}{'ratio':>8}")
         for row in report["loop"]:
-            print(f"{row['workload']:<16}{row['hydraloop_samples_per_s']:>12.0f}"
-                  f"{row['handwritten_samples_per_s']:>14.0f}{row['ratio']:>8.3f}")
+            print(
+                f"{row['workload']:<16}{row['hydraloop_samples_per_s']:>12.0f}"
+                f"{row['handwritten_samples_per_s']:>14.0f}{row['ratio']:>8.3f}"
+            )
     if "startup" not in args.skip:
         report["startup"] = startup(args)
         s = report["startup"]
-        print(f"\n(b) start-up (median of {args.repeats}): train.py to first step {s['train_py_first_step_s']:.2f} s; "
-              f"import torch {s['import_torch_s']:.2f} s (overhead {s['overhead_vs_import_torch_s']:.2f} s); "
-              f"hand-written first step {s['handwritten_first_step_s']:.2f} s "
-              f"(overhead {s['overhead_vs_handwritten_s']:.2f} s)")
+        print(
+            f"\n(b) start-up (median of {args.repeats}): train.py to first step {s['train_py_first_step_s']:.2f} s; "
+            f"import torch {s['import_torch_s']:.2f} s (overhead {s['overhead_vs_import_torch_s']:.2f} s); "
+            f"hand-written first step {s['handwritten_first_step_s']:.2f} s "
+            f"(overhead {s['overhead_vs_handwritten_s']:.2f} s)"
+        )
     if "ddp" not in args.skip:
         report["ddp"] = ddp_scaling(args)
         print("\n(c) parallel strategies (whole command; loop samples/s from metrics.json)")
         print(f"{'variant':<10}{'wall s':>9}{'samples/s':>12}{'vs single':>11}")
         for row in report["ddp"]:
-            print(f"{row['variant']:<10}{row['wall_s']:>9.2f}{row['samples_per_s']:>12.0f}{row['ratio_vs_single']:>11.3f}")
+            print(
+                f"{row['variant']:<10}{row['wall_s']:>9.2f}{row['samples_per_s']:>12.0f}{row['ratio_vs_single']:>11.3f}"
+            )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwritten: {args.out}")

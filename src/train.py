@@ -68,15 +68,26 @@ def train(cfg: DictConfig) -> dict:
         precision = Precision(cfg.trainer.precision, strategy.device)
         state = TrainState()
         if cfg.ckpt_path:
-            state = resume(cfg.ckpt_path, strategy.unwrap(model), optimizer, scheduler, precision, strategy.device,
-                           model_only=cfg.mode == "eval")
+            state = resume(
+                cfg.ckpt_path,
+                strategy.unwrap(model),
+                optimizer,
+                scheduler,
+                precision,
+                strategy.device,
+                model_only=cfg.mode == "eval",
+            )
             log.info("loaded %s: epoch %d, step %d", cfg.ckpt_path, state.epoch, state.global_step)
 
         config = OmegaConf.to_container(cfg, resolve=True)
         writer = (
-            RunWriter(cfg.output_dir, instantiate(cfg.logger, log_dir=f"{cfg.output_dir}/tensorboard"), config,
-                      save_checkpoints=cfg.trainer.save_checkpoints and cfg.mode == "train",
-                      profile=cfg.trainer.profile)
+            RunWriter(
+                cfg.output_dir,
+                instantiate(cfg.logger, log_dir=f"{cfg.output_dir}/tensorboard"),
+                config,
+                save_checkpoints=cfg.trainer.save_checkpoints and cfg.mode == "train",
+                profile=cfg.trainer.profile,
+            )
             if strategy.is_main_process
             else NullRunWriter()
         )

@@ -3,8 +3,8 @@
 import json
 import os
 import subprocess
-import tempfile
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,9 +58,7 @@ def run_train(train_env, tmp_path_factory):
         flags = [arg for arg in overrides if arg.startswith("-")]  # Hydra's argparse wants -m before overrides
         overrides = [arg for arg in overrides if not arg.startswith("-")]
         cmd = [sys.executable, str(TRAIN), *flags, f"hydra.run.dir={run_dir}", *overrides]
-        proc = subprocess.run(
-            cmd, cwd=cwd or REPO, env=train_env, capture_output=True, text=True, timeout=timeout
-        )
+        proc = subprocess.run(cmd, cwd=cwd or REPO, env=train_env, capture_output=True, text=True, timeout=timeout)
         return Run(proc.returncode, proc.stdout + proc.stderr, Path(run_dir))
 
     return run

@@ -136,7 +136,11 @@ def test_unknown_group_option(run_train, tmp_path):
 
 @pytest.mark.parametrize(
     "override, key",
-    [("trainer.max_epochs=abc", "trainer.max_epochs"), ("data.batch_size=1.5", "data.batch_size"), ("seed=xyz", "seed")],
+    [
+        ("trainer.max_epochs=abc", "trainer.max_epochs"),
+        ("data.batch_size=1.5", "data.batch_size"),
+        ("seed=xyz", "seed"),
+    ],
 )
 def test_wrong_type_fails_at_composition(run_train, tmp_path, override, key):
     run = run_train(override, run_dir=tmp_path / "never")
@@ -148,7 +152,5 @@ def test_wrong_type_fails_at_composition(run_train, tmp_path, override, key):
 
 def test_unknown_key(run_train, tmp_path):
     run = run_train("trainer.max_epoch=3", run_dir=tmp_path / "never")
-    assert_rejected_by_hydra(
-        run, "Could not override 'trainer.max_epoch'", "Key 'max_epoch' not in 'TrainerConfig'"
-    )
+    assert_rejected_by_hydra(run, "Could not override 'trainer.max_epoch'", "Key 'max_epoch' not in 'TrainerConfig'")
     assert not run.run_dir.exists()

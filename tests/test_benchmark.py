@@ -14,9 +14,11 @@ pytestmark = pytest.mark.slow
 def test_benchmark_reports_loop_and_startup_figures(tmp_path, train_env):
     out = tmp_path / "benchmark.json"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "benchmark.py"), "--repeats", "1", "--skip", "ddp",
-         "--out", str(out)],
-        env=train_env, capture_output=True, text=True, timeout=600,
+        [sys.executable, str(REPO / "scripts" / "benchmark.py"), "--repeats", "1", "--skip", "ddp", "--out", str(out)],
+        env=train_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())

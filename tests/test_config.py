@@ -115,8 +115,16 @@ def test_batch_size_is_global():
 
 def make_loaders(dataset, batch_size: int, rank: int, world_size: int):
     return build_loaders(
-        dataset, dataset, global_batch_size=batch_size, global_val_batch_size=batch_size, rank=rank,
-        world_size=world_size, seed=7, num_workers=0, drop_last=True, device=torch.device("cpu"),
+        dataset,
+        dataset,
+        global_batch_size=batch_size,
+        global_val_batch_size=batch_size,
+        rank=rank,
+        world_size=world_size,
+        seed=7,
+        num_workers=0,
+        drop_last=True,
+        device=torch.device("cpu"),
     )
 
 

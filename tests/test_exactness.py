@@ -48,9 +48,17 @@ def test_ddp_matches_single_with_cnn_sgd_cosine_and_clipping(run_train):
     then even single-process runs with 1 and 2 CPU threads end ~1e-3 apart, and so does DDP. This one does not.
     """
     overrides = [
-        "data=mnist1d", "model=cnn", "model.channels=[8,16]", "optimizer=sgd", "optimizer.nesterov=true",
-        "scheduler=cosine", "scheduler.warmup_epochs=0.25", "trainer.grad_clip_norm=1.0", "trainer.max_epochs=2",
-        "data.batch_size=96", "data.num_workers=1",
+        "data=mnist1d",
+        "model=cnn",
+        "model.channels=[8,16]",
+        "optimizer=sgd",
+        "optimizer.nesterov=true",
+        "scheduler=cosine",
+        "scheduler.warmup_epochs=0.25",
+        "trainer.grad_clip_norm=1.0",
+        "trainer.max_epochs=2",
+        "data.batch_size=96",
+        "data.num_workers=1",
     ]
     single = run_train(*overrides)
     ddp = run_train(*overrides, "parallel=ddp")
@@ -65,9 +73,21 @@ def test_ddp_joins_an_outside_launchers_group(tmp_path, train_env, single_2_epoc
     """Under torchrun (RANK / WORLD_SIZE / LOCAL_RANK set) each process is a rank: nothing is spawned."""
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(TRAIN),
-         "parallel=ddp", "trainer.max_epochs=2", f"hydra.run.dir={run_dir}"],
-        env=train_env, capture_output=True, text=True, timeout=180,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(TRAIN),
+            "parallel=ddp",
+            "trainer.max_epochs=2",
+            f"hydra.run.dir={run_dir}",
+        ],
+        env=train_env,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     metrics = json.loads((run_dir / "metrics.json").read_text())

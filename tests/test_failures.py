@@ -9,8 +9,12 @@ pytestmark = pytest.mark.slow
 
 def test_exception_in_one_rank_ends_the_job(run_train):
     run = run_train(
-        "parallel=ddp", "model._target_=tests.faults.RaisingMLP", "+model.fail_rank=1", "+model.fail_at_step=3",
-        "trainer.max_epochs=3", timeout=120,
+        "parallel=ddp",
+        "model._target_=tests.faults.RaisingMLP",
+        "+model.fail_rank=1",
+        "+model.fail_at_step=3",
+        "trainer.max_epochs=3",
+        timeout=120,
     )
     assert run.returncode == 1
     # One line from the launcher naming the rank, and the rank's own traceback in the job log, prefixed.
@@ -24,8 +28,12 @@ def test_exception_in_one_rank_ends_the_job(run_train):
 
 def test_exception_in_rank_zero_after_a_checkpoint_keeps_it(run_train):
     run = run_train(
-        "parallel=ddp", "model._target_=tests.faults.RaisingMLP", "+model.fail_rank=0", "+model.fail_at_step=30",
-        "trainer.max_epochs=3", timeout=120,
+        "parallel=ddp",
+        "model._target_=tests.faults.RaisingMLP",
+        "+model.fail_rank=0",
+        "+model.fail_at_step=30",
+        "trainer.max_epochs=3",
+        timeout=120,
     )
     assert run.returncode == 1
     assert "rank 0 failed" in run.output
@@ -37,8 +45,13 @@ def test_exception_in_rank_zero_after_a_checkpoint_keeps_it(run_train):
 def test_hung_rank_is_cut_off_by_the_process_group_timeout(run_train):
     started = time.monotonic()
     run = run_train(
-        "parallel=ddp", "parallel.timeout_s=5", "model._target_=tests.faults.HangingMLP", "+model.fail_rank=1",
-        "+model.fail_at_step=2", "trainer.max_epochs=1", timeout=150,
+        "parallel=ddp",
+        "parallel.timeout_s=5",
+        "model._target_=tests.faults.HangingMLP",
+        "+model.fail_rank=1",
+        "+model.fail_at_step=2",
+        "trainer.max_epochs=1",
+        timeout=150,
     )
     elapsed = time.monotonic() - started
     assert run.returncode == 1

@@ -16,8 +16,9 @@ def jobs(sweep_dir):
 
 
 def test_lr_sweep_under_ddp(run_train, tmp_path):
-    run = run_train("-m", "optimizer.lr=0.01,0.1", "parallel=ddp", "trainer.max_epochs=1",
-                    f"hydra.sweep.dir={tmp_path}")
+    run = run_train(
+        "-m", "optimizer.lr=0.01,0.1", "parallel=ddp", "trainer.max_epochs=1", f"hydra.sweep.dir={tmp_path}"
+    )
     assert run.returncode == 0, run.output
     dirs = jobs(tmp_path)
     assert [d.name for d in dirs] == ["0", "1"]
@@ -50,8 +51,16 @@ def test_task_returns_the_optimized_metric(tmp_path, monkeypatch, data_cache):
         for metric in ("val/acc", "val/loss"):
             run_dir = tmp_path / metric.replace("/", "_")
             # Outside a Hydra run there is no hydra:runtime.output_dir to interpolate: name the paths.
-            cfg = compose("train", overrides=["trainer.max_epochs=1", "logger=none", f"optimized_metric={metric}",
-                                                f"output_dir={run_dir}", f"log_file={run_dir}/train.log"])
+            cfg = compose(
+                "train",
+                overrides=[
+                    "trainer.max_epochs=1",
+                    "logger=none",
+                    f"optimized_metric={metric}",
+                    f"output_dir={run_dir}",
+                    f"log_file={run_dir}/train.log",
+                ],
+            )
             run_dir.mkdir()
             returned[metric] = train.main.__wrapped__(cfg)
             assert returned[metric] == json.loads((run_dir / "metrics.json").read_text())[metric]

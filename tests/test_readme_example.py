@@ -33,8 +33,11 @@ def readme_files() -> dict[str, str]:
 
 def test_readme_names_its_files():
     assert set(readme_files()) == {
-        "src/hydraloop/models/resmlp.py", "conf/model/resmlp.yaml",
-        "src/hydraloop/data/spirals.py", "conf/data/spirals.yaml", "conf/optimizer/rmsprop.yaml",
+        "src/hydraloop/models/resmlp.py",
+        "conf/model/resmlp.yaml",
+        "src/hydraloop/data/spirals.py",
+        "conf/data/spirals.yaml",
+        "conf/optimizer/rmsprop.yaml",
     }
 
 
@@ -47,9 +50,19 @@ def test_worked_example_trains(tmp_path, train_env, model, optimizer, min_acc):
     env = {**train_env, "PYTHONPATH": os.pathsep.join([str(tmp_path / "src"), train_env["PYTHONPATH"]])}
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, str(tmp_path / "src" / "train.py"), f"model={model}", "data=spirals", f"optimizer={optimizer}", "logger=none",
-         f"hydra.run.dir={run_dir}"],
-        env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(tmp_path / "src" / "train.py"),
+            f"model={model}",
+            "data=spirals",
+            f"optimizer={optimizer}",
+            "logger=none",
+            f"hydra.run.dir={run_dir}",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert json.loads((run_dir / "metrics.json").read_text())["val/acc"] >= min_acc

@@ -16,7 +16,9 @@ def test_resume_after_two_epochs_matches_uninterrupted_four(run_train, parallel)
     assert first.checkpoint()["epoch"] == 2
 
     resumed = run_train(
-        f"parallel={parallel}", "trainer.max_epochs=4", "model.dropout=0.2",
+        f"parallel={parallel}",
+        "trainer.max_epochs=4",
+        "model.dropout=0.2",
         f"ckpt_path={first.run_dir}/checkpoints/last.pt",
     )
     uninterrupted = run_train(f"parallel={parallel}", "trainer.max_epochs=4", "model.dropout=0.2")
@@ -31,10 +33,13 @@ def test_resume_after_two_epochs_matches_uninterrupted_four(run_train, parallel)
     # The optimizer state (AdamW moments) came back too, not just the weights.
     resumed_moments = resumed.checkpoint()["optimizer"]["state"]
     uninterrupted_moments = uninterrupted.checkpoint()["optimizer"]["state"]
-    assert max_param_diff(
-        {k: v["exp_avg_sq"] for k, v in resumed_moments.items()},
-        {k: v["exp_avg_sq"] for k, v in uninterrupted_moments.items()},
-    ) < 1e-6
+    assert (
+        max_param_diff(
+            {k: v["exp_avg_sq"] for k, v in resumed_moments.items()},
+            {k: v["exp_avg_sq"] for k, v in uninterrupted_moments.items()},
+        )
+        < 1e-6
+    )
 
 
 def test_resume_across_strategies(run_train):
@@ -53,8 +58,9 @@ def test_resume_with_more_epochs_follows_the_new_schedule_from_the_first_step():
 
     def build(max_epochs):
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-        scheduler = cosine_with_warmup(optimizer, total_steps=max_epochs * steps_per_epoch,
-                                       steps_per_epoch=steps_per_epoch, warmup_epochs=0.0)
+        scheduler = cosine_with_warmup(
+            optimizer, total_steps=max_epochs * steps_per_epoch, steps_per_epoch=steps_per_epoch, warmup_epochs=0.0
+        )
         return optimizer, scheduler
 
     optimizer, scheduler = build(2)

@@ -1,6 +1,5 @@
 """Seeds: every value is honoured (0 included), runs repeat exactly, and workers or determinism change nothing."""
 
-import pytest
 import torch
 
 from conftest import max_param_diff

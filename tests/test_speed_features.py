@@ -60,8 +60,14 @@ def test_data_on_device_under_ddp_matches_single(run_train, train_in_process):
 @pytest.mark.slow
 def test_ddp_knobs_keep_results(run_train, train_in_process):
     _, run_dir = reference(train_in_process)
-    ddp = run_train("parallel=ddp", "trainer.max_epochs=2", "logger=none", "parallel.bucket_cap_mb=0.01",
-                    "parallel.gradient_as_bucket_view=false", "parallel.static_graph=true")
+    ddp = run_train(
+        "parallel=ddp",
+        "trainer.max_epochs=2",
+        "logger=none",
+        "parallel.bucket_cap_mb=0.01",
+        "parallel.gradient_as_bucket_view=false",
+        "parallel.static_graph=true",
+    )
     assert ddp.returncode == 0, ddp.output
     assert max_param_diff(ddp.checkpoint()["model"], weights(run_dir)) < ROUND_OFF
 
@@ -80,16 +86,18 @@ def test_mixed_precision_trains(train_in_process, precision):
 
 def test_fp16_resume_matches_uninterrupted(train_in_process):
     _, first = train_in_process("trainer.max_epochs=1", "logger=none", "trainer.precision=fp16")
-    _, resumed = train_in_process("trainer.max_epochs=2", "logger=none", "trainer.precision=fp16",
-                                  f"ckpt_path={first}/checkpoints/last.pt")
+    _, resumed = train_in_process(
+        "trainer.max_epochs=2", "logger=none", "trainer.precision=fp16", f"ckpt_path={first}/checkpoints/last.pt"
+    )
     _, uninterrupted = train_in_process("trainer.max_epochs=2", "logger=none", "trainer.precision=fp16")
     assert max_param_diff(weights(resumed), weights(uninterrupted)) == 0.0
 
 
 def test_channels_last_conv_net_matches(train_in_process):
     _, plain_dir = train_in_process("model=cnn", "trainer.max_epochs=1", "logger=none")
-    _, channels_last_dir = train_in_process("model=cnn", "trainer.max_epochs=1", "logger=none",
-                                            "trainer.channels_last=true")
+    _, channels_last_dir = train_in_process(
+        "model=cnn", "trainer.max_epochs=1", "logger=none", "trainer.channels_last=true"
+    )
     assert max_param_diff(weights(channels_last_dir), weights(plain_dir)) < 1e-4  # other kernels, same maths
 
 
@@ -121,8 +129,12 @@ def test_no_host_sync_in_the_steady_state_step(train_in_process, monkeypatch):
     counts = []
     for steps in (4, 16):
         calls.clear()
-        train_in_process("trainer.max_epochs=2", "logger=none", f"trainer.limit_train_batches={steps}",
-                         "trainer.log_every_n_steps=1000")
+        train_in_process(
+            "trainer.max_epochs=2",
+            "logger=none",
+            f"trainer.limit_train_batches={steps}",
+            "trainer.log_every_n_steps=1000",
+        )
         counts.append(len(calls))
     assert counts[0] == counts[1] and counts[0] <= 8  # per epoch: the epoch loss and the validation totals
 

@@ -71,7 +71,11 @@ def test_progress_bar_on_a_terminal_only(tmp_path, train_env, trained):
     leader, follower = pty.openpty()
     proc = subprocess.Popen(
         [sys.executable, str(TRAIN), "trainer.max_epochs=2", "logger=none", f"hydra.run.dir={tmp_path}"],
-        stdin=follower, stdout=follower, stderr=follower, env=train_env, close_fds=True,
+        stdin=follower,
+        stdout=follower,
+        stderr=follower,
+        env=train_env,
+        close_fds=True,
     )
     os.close(follower)
     chunks = []

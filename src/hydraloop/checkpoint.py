@@ -118,8 +118,13 @@ def rng_state() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
         # numpy's state holds an ndarray, which weights_only loading refuses; store it as a tensor.
-        "numpy": {"name": np_name, "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": np_pos,
-                  "has_gauss": np_has_gauss, "gauss": np_gauss},
+        "numpy": {
+            "name": np_name,
+            "keys": torch.from_numpy(np_keys.astype(np.int64)),
+            "pos": np_pos,
+            "has_gauss": np_has_gauss,
+            "gauss": np_gauss,
+        },
         "python": random.getstate(),
     }
 
@@ -129,6 +134,13 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
     np_state = state["numpy"]
-    np.random.set_state((np_state["name"], np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
-                         np_state["has_gauss"], np_state["gauss"]))
+    np.random.set_state(
+        (
+            np_state["name"],
+            np_state["keys"].numpy().astype(np.uint32),
+            np_state["pos"],
+            np_state["has_gauss"],
+            np_state["gauss"],
+        )
+    )
     random.setstate(state["python"])

@@ -10,15 +10,14 @@ own, which the option's yaml names in its defaults (`/schema/parallel/ddp@_here_
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from collections.abc import Iterator
-from typing import Any, List, Optional
+from dataclasses import dataclass, field
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from hydraloop.errors import ConfigError
-
 
 PRECISIONS = ("32", "bf16", "fp16")
 VAL_METRICS = ("val/acc", "val/loss")
@@ -31,7 +30,7 @@ class TrainerConfig:
     """Epochs to train; with `ckpt_path`, the total including those already done."""
     log_every_n_steps: int = 10
     """Console and TensorBoard train metrics every this many optimizer steps (a sync point, so not every step)."""
-    grad_clip_norm: Optional[float] = None
+    grad_clip_norm: float | None = None
     """Clip the global gradient norm to this value; null turns clipping off."""
     deterministic: bool = False
     """torch.use_deterministic_algorithms(True): slower, bit-reproducible kernels."""
@@ -43,9 +42,9 @@ class TrainerConfig:
     """torch.compile the model in place (Module.compile), so checkpoint keys stay those of the plain model."""
     grad_accum_steps: int = 1
     """Split each rank's share of the global batch into this many micro-batches; one optimizer step per batch."""
-    limit_train_batches: Optional[int] = None
+    limit_train_batches: int | None = None
     """Train on at most this many batches per epoch (debugging, start-up benchmarks); null: all."""
-    limit_val_batches: Optional[int] = None
+    limit_val_batches: int | None = None
     """Evaluate at most this many batches per rank; null: the whole validation set."""
     tf32: bool = True
     """Allow TensorFloat-32 matmuls and convolutions on Ampere and newer GPUs (no effect on CPU)."""
@@ -61,10 +60,10 @@ class TrainerConfig:
 class DataConfig:
     batch_size: int = MISSING
     """The GLOBAL batch size per optimizer step; each of N ranks loads batch_size / N."""
-    input_shape: List[int] = MISSING
+    input_shape: list[int] = MISSING
     """Shape of one sample without the batch dimension; models read it through interpolation."""
     num_classes: int = MISSING
-    val_batch_size: Optional[int] = None
+    val_batch_size: int | None = None
     """Global evaluation batch size; null: same as batch_size."""
     num_workers: int = 0
     """DataLoader worker processes per rank; 0 loads in the training process (best for small in-memory sets)."""
@@ -75,7 +74,7 @@ class DataConfig:
     on_device: bool = False
     """Keep the whole data set as tensors on the device and draw batches by index, in the sampler's order,
     without a DataLoader (for data sets that fit in device memory; ignores num_workers)."""
-    prefetch_factor: Optional[int] = None
+    prefetch_factor: int | None = None
     """Batches each DataLoader worker loads ahead; null: PyTorch's default (2). Needs num_workers > 0."""
     dataset: Any = MISSING
     """`_target_` returning (train, val) datasets, with its own keys."""
@@ -89,16 +88,16 @@ class SingleConfig:
 @dataclass
 class DataParallelConfig:
     _target_: str = "hydraloop.parallel.dataparallel.DataParallelStrategy"
-    device_ids: Optional[List[int]] = None
+    device_ids: list[int] | None = None
     """GPUs to split each batch over; null: all visible GPUs."""
 
 
 @dataclass
 class DDPConfig:
     _target_: str = "hydraloop.parallel.ddp.DDPStrategy"
-    nproc_per_node: Optional[int] = None
+    nproc_per_node: int | None = None
     """Worker processes to start on this machine; null: one per visible GPU, or 2 on a CPU-only machine."""
-    backend: Optional[str] = None
+    backend: str | None = None
     """Process-group backend; null: nccl on CUDA, gloo on CPU."""
     timeout_s: float = 300.0
     """Process-group timeout: a collective that waits longer than this fails instead of hanging."""
@@ -126,7 +125,7 @@ class TrainConfig:
     """Seeds model init and data order (the same on every rank) and, offset by rank, per-rank randomness."""
     device: str = "auto"
     """auto: cuda if available, else cpu. DDP uses the local rank's GPU."""
-    ckpt_path: Optional[str] = None
+    ckpt_path: str | None = None
     """Resume from this checkpoint: weights, optimizer, scheduler, epoch, step and RNG state."""
     optimized_metric: str = "val/acc"
     """Returned to sweepers and used to choose checkpoints/best.pt."""

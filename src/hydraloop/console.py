@@ -18,8 +18,15 @@ def progress_bar(total_steps: int, done_steps: int, enabled: bool = True) -> Ite
     enabled = enabled and sys.stdout.isatty()
     # shutil falls back to 80x24 where a terminal reports a size of 0 (tqdm would then draw nothing).
     columns, lines = shutil.get_terminal_size()
-    bar = tqdm(total=total_steps, initial=done_steps, unit="step", ncols=columns, nrows=lines,
-               disable=not enabled, file=sys.stdout)
+    bar = tqdm(
+        total=total_steps,
+        initial=done_steps,
+        unit="step",
+        ncols=columns,
+        nrows=lines,
+        disable=not enabled,
+        file=sys.stdout,
+    )
     with logging_redirect_tqdm() if enabled else nullcontext():
         try:
             yield bar

@@ -70,7 +70,9 @@ class RunWriter(NullRunWriter):
 
     def finish(self, metrics: dict[str, Any]) -> None:
         """Final metrics: as TensorBoard hyper-parameter results, and as metrics.json (written atomically)."""
-        hparams = {key: value for key, value in _flatten(self.config).items() if not key.startswith(("output_dir", "log_file"))}
+        hparams = {
+            key: value for key, value in _flatten(self.config).items() if not key.startswith(("output_dir", "log_file"))
+        }
         self.logger.log_hparams(hparams, {k: v for k, v in metrics.items() if "/" in k and v is not None})
         self.logger.close()
         tmp = self.run_dir / "metrics.json.tmp"

@@ -90,8 +90,10 @@ class Trainer:
         start = time.perf_counter()
         train_loss, val_metrics = None, None
         total_steps = self.max_epochs * batches_per_epoch(train_loader, self.limit_train_batches)
-        with self.writer.progress(total_steps, state.global_step) as self.progress, \
-                self.writer.profiler() as self.profiler:
+        with (
+            self.writer.progress(total_steps, state.global_step) as self.progress,
+            self.writer.profiler() as self.profiler,
+        ):
             while state.epoch < self.max_epochs:
                 train_loss, val_metrics = self._epoch(model, optimizer, scheduler, train_loader, val_loader, state)
         if val_metrics is None:  # resumed from a checkpoint at or past max_epochs: nothing left to train
@@ -106,8 +108,12 @@ class Trainer:
         return {**self._summary(metrics, state), "wall_time_s": time.perf_counter() - start}
 
     def _summary(self, val_metrics: dict[str, float], state: TrainState) -> dict[str, Any]:
-        return {**val_metrics, "epoch": state.epoch, "global_step": state.global_step,
-                "world_size": self.strategy.world_size}
+        return {
+            **val_metrics,
+            "epoch": state.epoch,
+            "global_step": state.global_step,
+            "world_size": self.strategy.world_size,
+        }
 
     def _epoch(
         self,
@@ -127,7 +133,11 @@ class Trainer:
         self.writer.log_metrics({**val_metrics, "train/epoch_loss": train_loss}, state.global_step)
         log.info(
             "epoch %d/%d | train/loss %.4f | val/loss %.4f | val/acc %.4f",
-            state.epoch, self.max_epochs, train_loss, val_metrics["val/loss"], val_metrics["val/acc"],
+            state.epoch,
+            self.max_epochs,
+            train_loss,
+            val_metrics["val/loss"],
+            val_metrics["val/acc"],
         )
         metric = val_metrics[self.optimized_metric]
         is_best = state.best_metric is None or self.improved(metric, state.best_metric)
@@ -157,8 +167,9 @@ class Trainer:
             wait_start = time.perf_counter()
             inputs, targets = next(batches)
             interval.data_wait_s += time.perf_counter() - wait_start
-            loss = self.train_step(model, optimizer, inputs.to(device, non_blocking=True),
-                                   targets.to(device, non_blocking=True))
+            loss = self.train_step(
+                model, optimizer, inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+            )
             scheduler.step()
             self.profiler.step()
             state.global_step += 1
@@ -210,11 +221,19 @@ class Trainer:
             metrics["perf/max_memory_gb"] = torch.cuda.max_memory_allocated(self.strategy.device) / 1e9
         self.writer.log_metrics(metrics, state.global_step)
         self.progress.update(interval.steps)
-        self.progress.set_postfix(loss=f"{metrics['train/loss']:.4f}", lr=f"{metrics['train/lr']:.3g}",
-                                  samples_per_s=f"{samples_per_sec:.0f}", refresh=False)
+        self.progress.set_postfix(
+            loss=f"{metrics['train/loss']:.4f}",
+            lr=f"{metrics['train/lr']:.3g}",
+            samples_per_s=f"{samples_per_sec:.0f}",
+            refresh=False,
+        )
         log.info(
             "epoch %d step %d | train/loss %.4f | lr %.3g | %.0f samples/s | data wait %.0f%%",
-            state.epoch + 1, state.global_step, metrics["train/loss"], metrics["train/lr"], samples_per_sec,
+            state.epoch + 1,
+            state.global_step,
+            metrics["train/loss"],
+            metrics["train/lr"],
+            samples_per_sec,
             100 * metrics["perf/data_wait_frac"],
         )
 

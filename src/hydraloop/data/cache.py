@@ -11,7 +11,9 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hydraloop"
 
 
-def cached_arrays(name: str, make: Callable[[], dict[str, np.ndarray]], cache_dir: str | None = None) -> dict[str, np.ndarray]:
+def cached_arrays(
+    name: str, make: Callable[[], dict[str, np.ndarray]], cache_dir: str | None = None
+) -> dict[str, np.ndarray]:
     """Loads `<cache_dir>/<name>.npz`, first writing it with `make()` if it is missing."""
     path = (Path(cache_dir) if cache_dir else default_cache_dir()) / f"{name}.npz"
     if not path.exists():

@@ -8,7 +8,11 @@ class MLP(nn.Module):
     """Flattens any input shape, then Linear-ReLU(-Dropout) blocks and a linear classifier."""
 
     def __init__(
-        self, input_shape: Sequence[int], num_classes: int, hidden_sizes: Sequence[int] = (128, 128), dropout: float = 0.0
+        self,
+        input_shape: Sequence[int],
+        num_classes: int,
+        hidden_sizes: Sequence[int] = (128, 128),
+        dropout: float = 0.0,
     ) -> None:
         super().__init__()
         layers: list[nn.Module] = [nn.Flatten()]

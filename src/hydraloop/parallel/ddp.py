@@ -58,8 +58,8 @@ class DDPStrategy(SingleDevice):
             self.local_rank = int(os.environ["LOCAL_RANK"])
             self.world_size = int(os.environ["WORLD_SIZE"])
             return
-        self.nproc_per_node = nproc_per_node if nproc_per_node is not None else (
-            torch.cuda.device_count() if use_cuda else 2
+        self.nproc_per_node = (
+            nproc_per_node if nproc_per_node is not None else (torch.cuda.device_count() if use_cuda else 2)
         )
         if self.nproc_per_node < 1:
             raise ConfigError(f"parallel.nproc_per_node={nproc_per_node}: must be at least 1")
