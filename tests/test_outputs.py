@@ -124,3 +124,29 @@ def test_two_ddp_jobs_at_once_do_not_collide(tmp_path, train_env):
     assert [proc.returncode for proc in procs] == [0, 0], outputs
     a, b = (json.loads((tmp_path / name / "metrics.json").read_text()) for name in ("a", "b"))
     assert a["val/acc"] == b["val/acc"] and a["world_size"] == b["world_size"] == 2
+
+
+def test_torchrun_makes_exactly_one_run_directory(tmp_path, train_env):
+    """Under torchrun every rank runs Hydra; the run folder is named after the launcher's shared run id."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(TRAIN),
+            "parallel=ddp",
+            "trainer.max_epochs=1",
+            "logger=none",
+        ],
+        cwd=tmp_path,
+        env=train_env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dirs = [p for p in (tmp_path / "outputs").glob("*/*") if p.is_dir()]
+    assert len(run_dirs) == 1 and run_dirs[0].name.startswith("torchrun-")
+    assert json.loads((run_dirs[0] / "metrics.json").read_text())["world_size"] == 2

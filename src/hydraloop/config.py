@@ -10,6 +10,8 @@ own, which the option's yaml names in its defaults (`/schema/parallel/ddp@_here_
 from __future__ import annotations
 
 import math
+import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -136,10 +138,25 @@ class TrainConfig:
     log_file: str = "${hydra:runtime.output_dir}/${hydra:job.name}.log"
 
 
+def shared_run_name() -> str:
+    """The run folder's name, the same in every process of one job.
+
+    Under torchrun every rank runs Hydra itself, and `${now:%H-%M-%S}` would differ between ranks that start in
+    different seconds; the launcher's run id (random for --standalone, --rdzv_id otherwise) or the SLURM job id
+    is shared. Started by plain `python`, only the launching process runs Hydra: the time is enough.
+    """
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"slurm-{os.environ['SLURM_JOB_ID']}"
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    return f"torchrun-{run_id}" if run_id != "none" else time.strftime("%H-%M-%S")
+
+
 def register_configs() -> None:
-    """The schemas, and the `sweep_direction` resolver: `${sweep_direction:max}` -> maximize (for sweepers)."""
+    """The schemas, and two resolvers: `${sweep_direction:max}` -> maximize (for sweepers), `${shared_run_name:}`."""
     if not OmegaConf.has_resolver("sweep_direction"):
         OmegaConf.register_new_resolver("sweep_direction", lambda mode: {"max": "maximize", "min": "minimize"}[mode])
+    if not OmegaConf.has_resolver("shared_run_name"):
+        OmegaConf.register_new_resolver("shared_run_name", shared_run_name, use_cache=True)
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
     cs.store(group="schema/parallel", name="single", node=SingleConfig)
