@@ -16,7 +16,7 @@ from hydraloop.backends import configure_backends
 from hydraloop.checkpoint import TrainState, check_resumable, resume
 from hydraloop.config import check_config, check_required, register_configs
 from hydraloop.data.loaders import build_loaders
-from hydraloop.errors import ConfigError, exit_on_error
+from hydraloop.errors import ConfigError, TrainingDiverged, exit_on_error
 from hydraloop.precision import Precision
 from hydraloop.rank_logging import setup_rank_logging
 from hydraloop.run_writer import NullRunWriter, RunWriter
@@ -109,10 +109,10 @@ def train(cfg: DictConfig) -> dict:
         writer.finish(metrics)
         return metrics
     except Exception as error:
-        # Bad input (also when a data set or model constructor rejected its arguments): the launcher reports
-        # it as one line. Anything else is a failure, logged with its traceback.
+        # Bad input (also when a data set or model constructor rejected its arguments) and a diverged loss: the
+        # launcher reports them as one line. Anything else is a failure, logged with its traceback.
         cause = error.__cause__ if isinstance(error, InstantiationException) else error
-        if isinstance(cause, ConfigError):
+        if isinstance(cause, (ConfigError, TrainingDiverged)):
             raise cause from None
         log.exception("training failed")
         raise

@@ -30,3 +30,18 @@ class HangingMLP(RaisingMLP):
 
     def misbehave(self) -> None:
         time.sleep(3600)
+
+
+class NaNMLP(RaisingMLP):
+    """Returns NaN logits at one step on one rank: the loss diverges there."""
+
+    def forward(self, x):
+        out = super().forward(x)
+        return out * float("nan") if self.training and self.diverged_now else out
+
+    @property
+    def diverged_now(self) -> bool:
+        return int(os.environ.get("RANK", 0)) == self.fail_rank and self.steps == self.fail_at_step
+
+    def misbehave(self) -> None:
+        pass

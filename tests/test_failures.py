@@ -58,3 +58,32 @@ def test_hung_rank_is_cut_off_by_the_process_group_timeout(run_train):
     assert "rank 0 failed" in run.output  # rank 0 waited in the all-reduce, timed out, and raised
     # Bounded, not a benchmark: the hang lasts an hour; the job must end long before the subprocess timeout.
     assert elapsed < 120
+
+
+@pytest.mark.parametrize(
+    "parallel, fail_rank, fail_at_step, message",
+    [
+        # Detected at the logging step (10), named at the step it happened; nothing saved yet.
+        ("single", 0, 5, "train/loss is nan at step 5 (epoch 1, first on rank 0); the last checkpoint holds epoch 0"),
+        # Epoch 1 is steps 1-22; rank 1's NaN at step 30 is seen by every rank through the reductions.
+        ("ddp", 1, 30, "train/loss is nan at step 30 (epoch 2, first on rank 1); the last checkpoint holds epoch 1"),
+    ],
+)
+def test_nonfinite_loss_stops_the_run_naming_the_step(run_train, parallel, fail_rank, fail_at_step, message):
+    run = run_train(
+        f"parallel={parallel}",
+        "model._target_=tests.faults.NaNMLP",
+        f"+model.fail_rank={fail_rank}",
+        f"+model.fail_at_step={fail_at_step}",
+        "trainer.max_epochs=3",
+        "logger=none",
+        timeout=120,
+    )
+    assert run.returncode == 1
+    assert message in run.output
+    assert "Traceback" not in run.output
+    if fail_at_step > 22:
+        assert run.checkpoint("last.pt")["epoch"] == 1  # the last good checkpoint is intact
+    else:
+        assert not (run.run_dir / "checkpoints").exists()
+    assert not (run.run_dir / "metrics.json").exists()

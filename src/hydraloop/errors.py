@@ -1,4 +1,5 @@
-"""The two ways a run ends in error without a Python traceback: bad input, and a failed rank."""
+"""The ways a run ends in error with one line instead of a Python traceback: bad input, a diverged loss, and a
+failed rank (whose own traceback is in the job log)."""
 
 import logging
 import sys
@@ -17,6 +18,10 @@ class ConfigError(ValueError):
     """Bad input. The message names the key and the value."""
 
 
+class TrainingDiverged(FloatingPointError):
+    """The loss became NaN or infinite. The message names the step and rank; the last checkpoint is intact."""
+
+
 class WorkerFailed(RuntimeError):
     """A rank of a spawned job failed. The message names the rank; its traceback is in the job log."""
 
@@ -33,6 +38,6 @@ def exit_on_error() -> Iterator[None]:
             raise
         log.error("%s", cause)
         sys.exit(BAD_INPUT_EXIT_CODE)
-    except WorkerFailed as error:
+    except (WorkerFailed, TrainingDiverged) as error:
         log.error("%s", error)
         sys.exit(FAILED_EXIT_CODE)

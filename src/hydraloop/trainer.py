@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from hydraloop.checkpoint import TrainState, rng_state
+from hydraloop.errors import TrainingDiverged
 from hydraloop.parallel.single import SingleDevice
 from hydraloop.precision import Precision
 from hydraloop.profiling import NullProfiler
@@ -32,17 +33,27 @@ def batches_per_epoch(loader: DataLoader, limit: int | None) -> int:
 
 
 class Interval:
-    """What the loop accumulates between two logging steps. The loss stays on the device until then."""
+    """What the loop accumulates between two logging steps. The losses stay on the device until then."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.loss_sum = torch.zeros((), device=device)
+    def __init__(self, device: torch.device, capacity: int, first_step: int) -> None:
+        self.losses = torch.empty(capacity, device=device)  # kept per step, to name the step of a NaN
+        self.first_step = first_step
         self.steps = 0
         self.data_wait_s = 0.0
         self.start = time.perf_counter()
 
     def add(self, loss: Tensor) -> None:
-        self.loss_sum += loss
+        self.losses[self.steps] = loss
         self.steps += 1
+
+    @property
+    def loss_sum(self) -> Tensor:
+        return self.losses[: self.steps].sum()
+
+    def first_nonfinite_step(self) -> int:
+        """The first step whose loss is NaN or infinite; 0 if none (a host sync: only on the failure path)."""
+        bad = (~torch.isfinite(self.losses[: self.steps])).nonzero()
+        return self.first_step + int(bad[0]) if len(bad) else 0
 
 
 class Trainer:
@@ -161,7 +172,7 @@ class Trainer:
         device = self.strategy.device
         # Losses are summed on the device and read back only on logging steps: `.item()` is a host sync.
         epoch_loss = torch.zeros((), device=device)
-        interval = Interval(device)
+        interval = Interval(device, self.log_every_n_steps, state.global_step + 1)
         batches = iter(loader)
         for _ in range(batches_per_epoch(loader, self.limit_train_batches)):
             wait_start = time.perf_counter()
@@ -177,10 +188,12 @@ class Trainer:
             if state.global_step % self.log_every_n_steps == 0:
                 epoch_loss += interval.loss_sum
                 self._log_interval(interval, scheduler, state)
-                interval = Interval(device)
+                interval = Interval(device, self.log_every_n_steps, state.global_step + 1)
         epoch_loss += interval.loss_sum
         self.progress.update(interval.steps)
-        return self._global_mean(epoch_loss, batches_per_epoch(loader, self.limit_train_batches))
+        mean = self._global_mean(epoch_loss, batches_per_epoch(loader, self.limit_train_batches))
+        self._check_finite(mean, interval, state)  # the steps since the last logging step
+        return mean
 
     def train_step(self, model: nn.Module, optimizer: Optimizer, inputs: Tensor, targets: Tensor) -> Tensor:
         """One optimizer step over this rank's batch, in `grad_accum_steps` micro-batches; returns the mean loss."""
@@ -207,6 +220,7 @@ class Trainer:
 
     def _log_interval(self, interval: "Interval", scheduler: LRScheduler, state: TrainState) -> None:
         loss = self._global_mean(interval.loss_sum, interval.steps)  # the sync point: the device has caught up
+        self._check_finite(loss, interval, state)
         seconds = time.perf_counter() - interval.start
         samples_per_sec = interval.steps * self.global_batch_size / seconds
         metrics = {
@@ -235,6 +249,23 @@ class Trainer:
             metrics["train/lr"],
             samples_per_sec,
             100 * metrics["perf/data_wait_frac"],
+        )
+
+    def _check_finite(self, loss: float, interval: Interval, state: TrainState) -> None:
+        """Stops every rank at once if the interval's global mean loss is NaN or infinite, naming the first bad step.
+
+        A NaN on one rank reaches every rank through the reductions, so all ranks get here together; one more
+        reduction tells them which rank saw it first, and when.
+        """
+        if math.isfinite(loss):
+            return
+        first_bad = torch.zeros(self.strategy.world_size, device=self.strategy.device)
+        first_bad[self.strategy.rank] = interval.first_nonfinite_step()
+        per_rank = self.strategy.all_reduce(first_bad).tolist()
+        step, rank = min((s, r) for r, s in enumerate(per_rank) if s > 0)
+        raise TrainingDiverged(
+            f"train/loss is {loss} at step {int(step)} (epoch {state.epoch + 1}, first on rank {rank}); "
+            f"the last checkpoint holds epoch {state.epoch}"
         )
 
     def _global_mean(self, loss_sum: Tensor, steps: int) -> float:
