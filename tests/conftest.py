@@ -64,6 +64,14 @@ def run_train(train_env, tmp_path_factory):
     return run
 
 
+def torchrun_train(*overrides: str, env: dict, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=2 src/train.py parallel=ddp OVERRIDES`: every process is a rank."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(TRAIN)]
+    return subprocess.run(
+        [*command, "parallel=ddp", *overrides], cwd=cwd, env=env, capture_output=True, text=True, timeout=180
+    )
+
+
 def max_param_diff(a: dict, b: dict) -> float:
     """Largest absolute difference between two state_dicts with the same keys."""
     assert a.keys() == b.keys()

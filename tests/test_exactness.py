@@ -1,13 +1,11 @@
 """Distributed training computes what single-process training computes: parameters compared after 2 epochs."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import TRAIN, max_param_diff
+from conftest import max_param_diff, torchrun_train
 
 pytestmark = pytest.mark.slow
 
@@ -72,23 +70,7 @@ def test_ddp_matches_single_with_cnn_sgd_cosine_and_clipping(run_train):
 def test_ddp_joins_an_outside_launchers_group(tmp_path, train_env, single_2_epochs):
     """Under torchrun (RANK / WORLD_SIZE / LOCAL_RANK set) each process is a rank: nothing is spawned."""
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            str(TRAIN),
-            "parallel=ddp",
-            "trainer.max_epochs=2",
-            f"hydra.run.dir={run_dir}",
-        ],
-        env=train_env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    proc = torchrun_train("trainer.max_epochs=2", f"hydra.run.dir={run_dir}", env=train_env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["world_size"] == 2

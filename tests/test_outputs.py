@@ -7,7 +7,7 @@ import sys
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import TRAIN
+from conftest import TRAIN, torchrun_train
 
 pytestmark = pytest.mark.slow
 
@@ -128,24 +128,7 @@ def test_two_ddp_jobs_at_once_do_not_collide(tmp_path, train_env):
 
 def test_torchrun_makes_exactly_one_run_directory(tmp_path, train_env):
     """Under torchrun every rank runs Hydra; the run folder is named after the launcher's shared run id."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            str(TRAIN),
-            "parallel=ddp",
-            "trainer.max_epochs=1",
-            "logger=none",
-        ],
-        cwd=tmp_path,
-        env=train_env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    proc = torchrun_train("trainer.max_epochs=1", "logger=none", env=train_env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run_dirs = [p for p in (tmp_path / "outputs").glob("*/*") if p.is_dir()]
     assert len(run_dirs) == 1 and run_dirs[0].name.startswith("torchrun-")
