@@ -8,7 +8,6 @@ import logging
 
 import hydra
 import torch
-from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -16,7 +15,7 @@ from hydraloop.backends import configure_backends
 from hydraloop.checkpoint import TrainState, check_resumable, resume
 from hydraloop.config import check_config, check_required, register_configs
 from hydraloop.data.loaders import build_loaders
-from hydraloop.errors import ConfigError, TrainingDiverged, exit_on_error
+from hydraloop.errors import ConfigError, TrainingDiverged, exit_on_error, unwrap_instantiation
 from hydraloop.precision import Precision
 from hydraloop.rank_logging import setup_rank_logging
 from hydraloop.run_writer import NullRunWriter, RunWriter
@@ -111,7 +110,7 @@ def train(cfg: DictConfig) -> dict:
     except Exception as error:
         # Bad input (also when a data set or model constructor rejected its arguments) and a diverged loss: the
         # launcher reports them as one line. Anything else is a failure, logged with its traceback.
-        cause = error.__cause__ if isinstance(error, InstantiationException) else error
+        cause = unwrap_instantiation(error)
         if isinstance(cause, (ConfigError, TrainingDiverged)):
             raise cause from None
         log.exception("training failed")

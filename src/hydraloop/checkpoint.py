@@ -88,6 +88,30 @@ def check_resumable(path: str | Path, cfg: Any) -> None:
         raise ConfigError(f"ckpt_path={path}: does not fit model {model_cfg._target_} ({shown})")
 
 
+def checkpoint_state(
+    model: nn.Module,
+    optimizer: Optimizer,
+    scheduler: LambdaLR,
+    precision: Precision,
+    state: TrainState,
+    metrics: dict[str, float],
+    config: dict[str, Any],
+) -> dict[str, Any]:
+    """What a checkpoint holds (see the module docstring); `model` is the unwrapped module."""
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "epoch": state.epoch,
+        "global_step": state.global_step,
+        "best_metric": state.best_metric,
+        "grad_scaler": precision.state_dict(),
+        "metrics": metrics,
+        "rng": rng_state(),
+        "config": config,
+    }
+
+
 def resume(
     path: str | Path,
     model: nn.Module,

@@ -26,14 +26,18 @@ class WorkerFailed(RuntimeError):
     """A rank of a spawned job failed. The message names the rank; its traceback is in the job log."""
 
 
+def unwrap_instantiation(error: BaseException) -> BaseException:
+    """hydra.utils.instantiate wraps what a constructor raises; the constructor's own error is the cause."""
+    return error.__cause__ if isinstance(error, InstantiationException) and error.__cause__ else error
+
+
 @contextmanager
 def exit_on_error() -> Iterator[None]:
     """Turns ConfigError and WorkerFailed into one logged line and a non-zero exit; anything else propagates."""
     try:
         yield
     except (ConfigError, InstantiationException) as error:
-        # hydra.utils.instantiate wraps what a constructor raises; unwrap our own errors.
-        cause = error if isinstance(error, ConfigError) else error.__cause__
+        cause = unwrap_instantiation(error)
         if not isinstance(cause, ConfigError):
             raise
         log.error("%s", cause)

@@ -1,5 +1,6 @@
-"""The training loop. It runs identically on every rank and talks to the parallel strategy only through
-`all_reduce` and `unwrap`, and to the run directory only through the (possibly null) run writer."""
+"""The training loop. It runs identically on every rank, talks to the parallel strategy only through its small
+interface (`all_reduce`, `no_sync`, `unwrap`, `eval_module`), and to the run directory only through the (possibly
+null) run writer."""
 
 import itertools
 import logging
@@ -7,6 +8,7 @@ import math
 import operator
 import time
 from contextlib import nullcontext
+from functools import partial
 from typing import Any
 
 import torch
@@ -17,7 +19,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from hydraloop.checkpoint import TrainState, rng_state
+from hydraloop.checkpoint import TrainState, checkpoint_state
 from hydraloop.errors import TrainingDiverged
 from hydraloop.parallel.single import SingleDevice
 from hydraloop.precision import Precision
@@ -106,7 +108,30 @@ class Trainer:
             self.writer.profiler() as self.profiler,
         ):
             while state.epoch < self.max_epochs:
-                train_loss, val_metrics = self._epoch(model, optimizer, scheduler, train_loader, val_loader, state)
+                seed_everything(epoch_seed(self.seed, self.strategy.rank, state.epoch))
+                train_loader.sampler.set_epoch(state.epoch)  # a new permutation per epoch, the same on every rank
+                train_loss = self.train_epoch(model, optimizer, scheduler, train_loader, state)
+                state.epoch += 1
+                val_metrics = self.evaluate(model, val_loader)
+                self.writer.log_metrics({**val_metrics, "train/epoch_loss": train_loss}, state.global_step)
+                log.info(
+                    "epoch %d/%d | train/loss %.4f | val/loss %.4f | val/acc %.4f",
+                    state.epoch,
+                    self.max_epochs,
+                    train_loss,
+                    val_metrics["val/loss"],
+                    val_metrics["val/acc"],
+                )
+                metric = val_metrics[self.optimized_metric]
+                is_best = state.best_metric is None or self.improved(metric, state.best_metric)
+                if is_best:
+                    state.best_metric = metric
+                # Built only if written: ranks other than 0 have a null writer and skip the state_dict copies.
+                make_state = partial(
+                    checkpoint_state, self.strategy.unwrap(model), optimizer, scheduler, self.precision, state,
+                    val_metrics, self.config,
+                )  # fmt: skip
+                self.writer.save_checkpoint(make_state, is_best=is_best)
         if val_metrics is None:  # resumed from a checkpoint at or past max_epochs: nothing left to train
             val_metrics = self.evaluate(model, val_loader)
         wall_time_s = time.perf_counter() - start
@@ -125,39 +150,6 @@ class Trainer:
             "global_step": state.global_step,
             "world_size": self.strategy.world_size,
         }
-
-    def _epoch(
-        self,
-        model: nn.Module,
-        optimizer: Optimizer,
-        scheduler: LRScheduler,
-        train_loader: DataLoader,
-        val_loader: DataLoader,
-        state: TrainState,
-    ) -> tuple[float, dict[str, float]]:
-        """One epoch, its validation and its checkpoint."""
-        seed_everything(epoch_seed(self.seed, self.strategy.rank, state.epoch))
-        train_loader.sampler.set_epoch(state.epoch)  # a new permutation per epoch, the same on every rank
-        train_loss = self.train_epoch(model, optimizer, scheduler, train_loader, state)
-        state.epoch += 1
-        val_metrics = self.evaluate(model, val_loader)
-        self.writer.log_metrics({**val_metrics, "train/epoch_loss": train_loss}, state.global_step)
-        log.info(
-            "epoch %d/%d | train/loss %.4f | val/loss %.4f | val/acc %.4f",
-            state.epoch,
-            self.max_epochs,
-            train_loss,
-            val_metrics["val/loss"],
-            val_metrics["val/acc"],
-        )
-        metric = val_metrics[self.optimized_metric]
-        is_best = state.best_metric is None or self.improved(metric, state.best_metric)
-        if is_best:
-            state.best_metric = metric
-        self.writer.save_checkpoint(
-            lambda: self.checkpoint(model, optimizer, scheduler, state, val_metrics), is_best=is_best
-        )
-        return train_loss, val_metrics
 
     def train_epoch(
         self,
@@ -292,24 +284,3 @@ class Trainer:
             totals[2] += targets.numel()
         loss_sum, correct, count = self.strategy.all_reduce(totals).tolist()
         return {"val/loss": loss_sum / count, "val/acc": correct / count}
-
-    def checkpoint(
-        self,
-        model: nn.Module,
-        optimizer: Optimizer,
-        scheduler: LRScheduler,
-        state: TrainState,
-        metrics: dict[str, float],
-    ) -> dict[str, Any]:
-        return {
-            "model": self.strategy.unwrap(model).state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "epoch": state.epoch,
-            "global_step": state.global_step,
-            "best_metric": state.best_metric,
-            "grad_scaler": self.precision.state_dict(),
-            "metrics": metrics,
-            "rng": rng_state(),
-            "config": self.config,
-        }
