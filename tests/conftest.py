@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -64,12 +65,19 @@ def run_train(train_env, tmp_path_factory):
     return run
 
 
+def torchrun_command(*overrides: str, launcher_args: tuple[str, ...] = ("--standalone", "--nproc_per_node=2")):
+    """`torchrun LAUNCHER_ARGS src/train.py parallel=ddp OVERRIDES`: every process is a rank."""
+    return [sys.executable, "-m", "torch.distributed.run", *launcher_args, str(TRAIN), "parallel=ddp", *overrides]
+
+
 def torchrun_train(*overrides: str, env: dict, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node=2 src/train.py parallel=ddp OVERRIDES`: every process is a rank."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(TRAIN)]
-    return subprocess.run(
-        [*command, "parallel=ddp", *overrides], cwd=cwd, env=env, capture_output=True, text=True, timeout=180
-    )
+    return subprocess.run(torchrun_command(*overrides), cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def max_param_diff(a: dict, b: dict) -> float:

@@ -1,11 +1,12 @@
 """Distributed training computes what single-process training computes: parameters compared after 2 epochs."""
 
 import json
+import subprocess
 
 import pytest
 import torch
 
-from conftest import max_param_diff, torchrun_train
+from conftest import free_port, max_param_diff, torchrun_command, torchrun_train
 
 pytestmark = pytest.mark.slow
 
@@ -75,4 +76,28 @@ def test_ddp_joins_an_outside_launchers_group(tmp_path, train_env, single_2_epoc
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["world_size"] == 2
     joined = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+    assert max_param_diff(joined, single_2_epochs.checkpoint()["model"]) < TOLERANCE
+
+
+def test_two_nodes_train_together_into_one_run_directory(tmp_path, train_env, single_2_epochs):
+    """Two torchrun agents on one machine, one rank each, meeting at a c10d rendezvous: the multi-node command."""
+    rendezvous = ("--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}")
+    nodes = [
+        subprocess.Popen(
+            torchrun_command("trainer.max_epochs=2", launcher_args=(*rendezvous, f"--node_rank={node}")),
+            cwd=tmp_path,
+            env=train_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=180)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    run_dirs = [p for p in (tmp_path / "outputs").glob("*/*") if p.is_dir()]
+    assert len(run_dirs) == 1, run_dirs
+    metrics = json.loads((run_dirs[0] / "metrics.json").read_text())
+    assert metrics["world_size"] == 2
+    joined = torch.load(run_dirs[0] / "checkpoints" / "last.pt", weights_only=True)["model"]
     assert max_param_diff(joined, single_2_epochs.checkpoint()["model"]) < TOLERANCE

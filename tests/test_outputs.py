@@ -127,9 +127,10 @@ def test_two_ddp_jobs_at_once_do_not_collide(tmp_path, train_env):
 
 
 def test_torchrun_makes_exactly_one_run_directory(tmp_path, train_env):
-    """Under torchrun every rank runs Hydra; the run folder is named after the launcher's shared run id."""
+    """Under torchrun every rank runs Hydra; the ranks agree on the run folder's name through the agent's store."""
     proc = torchrun_train("trainer.max_epochs=1", "logger=none", env=train_env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run_dirs = [p for p in (tmp_path / "outputs").glob("*/*") if p.is_dir()]
-    assert len(run_dirs) == 1 and run_dirs[0].name.startswith("torchrun-")
+    assert len(run_dirs) == 1
+    assert (run_dirs[0] / ".hydra" / "config.yaml").is_file()  # Hydra's own record, from rank 0
     assert json.loads((run_dirs[0] / "metrics.json").read_text())["world_size"] == 2

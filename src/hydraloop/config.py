@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -138,25 +139,43 @@ class TrainConfig:
     log_file: str = "${hydra:runtime.output_dir}/${hydra:job.name}.log"
 
 
-def shared_run_name() -> str:
-    """The run folder's name, the same in every process of one job.
+def shared_run_path() -> str:
+    """The run folder's path under outputs/, `DATE/TIME`, the same in every process of one job.
 
-    Under torchrun every rank runs Hydra itself, and `${now:%H-%M-%S}` would differ between ranks that start in
-    different seconds; the launcher's run id (random for --standalone, --rdzv_id otherwise) or the SLURM job id
-    is shared. Started by plain `python`, only the launching process runs Hydra: the time is enough.
+    Started by plain `python`, only the launching process runs Hydra: the time is enough. Under torchrun every
+    rank runs Hydra itself, and `${now:...}` would differ between ranks (and nodes) that start in different
+    seconds, so the ranks agree through the elastic agent's key-value store: the first rank to ask sets the name,
+    the others read it. The store outlives worker restarts (`--max-restarts`), so a restarted job finds its own
+    folder again. Tasks that SLURM starts directly share the job id.
     """
+    name = time.strftime("%Y-%m-%d/%H-%M-%S")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        from torch.distributed import TCPStore  # only here: importing torch.distributed costs start-up time
+
+        store = TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(minutes=5)
+        )
+        return store.compare_set("hydraloop/run_name", "", name).decode()
     if os.environ.get("SLURM_JOB_ID"):
-        return f"slurm-{os.environ['SLURM_JOB_ID']}"
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-    return f"torchrun-{run_id}" if run_id != "none" else time.strftime("%H-%M-%S")
+        return time.strftime(f"%Y-%m-%d/slurm-{os.environ['SLURM_JOB_ID']}")
+    return name
+
+
+def rank_zero_only(value: Any) -> Any:
+    """`value` in rank 0 (or a process that is not a rank), null elsewhere: for Hydra's `.hydra/` subfolder, which
+    every torchrun rank would otherwise write into the shared run folder."""
+    return value if int(os.environ.get("RANK", "0")) == 0 else None
 
 
 def register_configs() -> None:
-    """The schemas, and two resolvers: `${sweep_direction:max}` -> maximize (for sweepers), `${shared_run_name:}`."""
+    """The schemas, and the resolvers: `${sweep_direction:max}` -> maximize (for sweepers), `${shared_run_path:}`,
+    `${rank_zero_only:value}`."""
     if not OmegaConf.has_resolver("sweep_direction"):
         OmegaConf.register_new_resolver("sweep_direction", lambda mode: {"max": "maximize", "min": "minimize"}[mode])
-    if not OmegaConf.has_resolver("shared_run_name"):
-        OmegaConf.register_new_resolver("shared_run_name", shared_run_name, use_cache=True)
+    if not OmegaConf.has_resolver("shared_run_path"):
+        OmegaConf.register_new_resolver("shared_run_path", shared_run_path, use_cache=True)
+    if not OmegaConf.has_resolver("rank_zero_only"):
+        OmegaConf.register_new_resolver("rank_zero_only", rank_zero_only)
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
     cs.store(group="schema/parallel", name="single", node=SingleConfig)
