@@ -12,11 +12,12 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from hydraloop.backends import configure_backends
-from hydraloop.checkpoint import TrainState, check_resumable, resume
+from hydraloop.checkpoint import TrainState, check_resumable, checkpoint_to_resume, resume
 from hydraloop.config import check_config, check_required, register_configs
 from hydraloop.data.loaders import build_loaders
-from hydraloop.errors import ConfigError, TrainingDiverged, exit_on_error, unwrap_instantiation
+from hydraloop.errors import ConfigError, Interrupted, TrainingDiverged, exit_on_error, unwrap_instantiation
 from hydraloop.precision import Precision
+from hydraloop.preemption import StopRequest
 from hydraloop.rank_logging import setup_rank_logging
 from hydraloop.run_writer import NullRunWriter, RunWriter
 from hydraloop.seeding import seed_everything
@@ -66,9 +67,10 @@ def train(cfg: DictConfig) -> dict:
         )
         precision = Precision(cfg.trainer.precision, strategy.device)
         state = TrainState()
-        if cfg.ckpt_path:
+        ckpt_path = checkpoint_to_resume(cfg)  # per rank, per start: a restarted rank finds the latest checkpoint
+        if ckpt_path:
             state = resume(
-                cfg.ckpt_path,
+                ckpt_path,
                 strategy.unwrap(model),
                 optimizer,
                 scheduler,
@@ -76,7 +78,7 @@ def train(cfg: DictConfig) -> dict:
                 strategy.device,
                 model_only=cfg.mode == "eval",
             )
-            log.info("loaded %s: epoch %d, step %d", cfg.ckpt_path, state.epoch, state.global_step)
+            log.info("loaded %s: epoch %d, step %d", ckpt_path, state.epoch, state.global_step)
 
         config = OmegaConf.to_container(cfg, resolve=True)
         writer = (
@@ -90,6 +92,7 @@ def train(cfg: DictConfig) -> dict:
             if strategy.is_main_process
             else NullRunWriter()
         )
+        stop_request = StopRequest()
         trainer = Trainer(
             strategy,
             writer,
@@ -100,18 +103,20 @@ def train(cfg: DictConfig) -> dict:
             optimized_metric=cfg.optimized_metric,
             optimized_metric_mode=cfg.optimized_metric_mode,
             config=config,
+            stop_request=stop_request,
         )
         if cfg.mode == "eval":
             metrics = trainer.validate(model, val_loader, state)
         else:
-            metrics = trainer.fit(model, optimizer, scheduler, train_loader, val_loader, state)
+            with stop_request:  # SIGTERM / SIGUSR1: checkpoint at the next logging step, then stop
+                metrics = trainer.fit(model, optimizer, scheduler, train_loader, val_loader, state)
         writer.finish(metrics)
         return metrics
     except Exception as error:
-        # Bad input (also when a data set or model constructor rejected its arguments) and a diverged loss: the
-        # launcher reports them as one line. Anything else is a failure, logged with its traceback.
+        # Bad input (also when a data set or model constructor rejected its arguments), a diverged loss and a stop
+        # signal: the launcher reports them as one line. Anything else is a failure, logged with its traceback.
         cause = unwrap_instantiation(error)
-        if isinstance(cause, (ConfigError, TrainingDiverged)):
+        if isinstance(cause, (ConfigError, TrainingDiverged, Interrupted)):
             raise cause from None
         log.exception("training failed")
         raise
@@ -128,8 +133,9 @@ def main(cfg: DictConfig) -> float:
         cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True), flags={"struct": True})
         strategy = instantiate(cfg.parallel, device=cfg.device)
         check_config(cfg, strategy.world_size)
-        if cfg.ckpt_path:
-            check_resumable(cfg.ckpt_path, cfg)
+        ckpt_path = checkpoint_to_resume(cfg)
+        if ckpt_path:
+            check_resumable(ckpt_path, cfg)
         log.info("run directory: %s\n%s", cfg.output_dir, OmegaConf.to_yaml(cfg).rstrip())
         metrics = strategy.launch(train, cfg)
     log.info("final metrics: %s", {k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()})

@@ -4,6 +4,7 @@ Selected from the command line like any model, e.g. `model._target_=tests.faults
 """
 
 import os
+import signal
 import time
 
 from hydraloop.models.mlp import MLP
@@ -45,3 +46,32 @@ class NaNMLP(RaisingMLP):
 
     def misbehave(self) -> None:
         pass
+
+
+class PausingMLP(RaisingMLP):
+    """Pauses rank `fail_rank` for a few seconds in step `fail_at_step`, once per `pause_file` (which it creates, so a
+    test knows the run is mid-step and can signal it; a rerun finds the file and does not pause)."""
+
+    def __init__(self, *args, pause_file: str, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.pause_file = pause_file
+
+    def misbehave(self) -> None:
+        if not os.path.exists(self.pause_file):
+            open(self.pause_file, "w").close()
+            time.sleep(3)
+
+
+class KilledMLP(RaisingMLP):
+    """Dies without a word at one step: SIGKILL to itself, as the out-of-memory killer or a lost node would do."""
+
+    def misbehave(self) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class FailingOnceMLP(RaisingMLP):
+    """Raises only in the job's first attempt: torchrun's restarts (TORCHELASTIC_RESTART_COUNT > 0) run cleanly."""
+
+    def misbehave(self) -> None:
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            super().misbehave()

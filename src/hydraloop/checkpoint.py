@@ -1,8 +1,9 @@
 """Checkpoints: one dict, loadable with torch.load(weights_only=True), written atomically.
 
 Keys: model (state_dict of the unwrapped model), optimizer, scheduler, epoch (completed epochs), global_step,
-best_metric, grad_scaler (fp16 loss scale), metrics (the validation metrics when saved), rng (torch, cuda, numpy,
-python) and config (resolved).
+epoch_step and epoch_loss_sum (progress into an unfinished epoch, for a checkpoint a stop signal asked for),
+best_metric, grad_scaler (fp16 loss scale), metrics (the validation metrics when saved; empty mid-epoch), rng
+(torch, cuda, numpy, python) and config (resolved).
 """
 
 import os
@@ -33,6 +34,10 @@ class TrainState:
     """Completed epochs."""
     global_step: int = 0
     """Completed optimizer steps."""
+    epoch_step: int = 0
+    """Completed steps of the unfinished epoch `epoch + 1` (non-zero only in a mid-epoch checkpoint)."""
+    epoch_loss_sum: float = 0.0
+    """Sum of those steps' global train losses, so the resumed epoch reports the uninterrupted epoch's mean."""
     best_metric: float | None = None
 
 
@@ -57,6 +62,14 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     if missing:
         raise ConfigError(f"ckpt_path={path}: not a hydraloop checkpoint (missing {', '.join(missing)})")
     return checkpoint
+
+
+def checkpoint_to_resume(cfg: Any) -> str | None:
+    """The checkpoint a run starts from: with `resume=true`, this run directory's own last.pt if it has one (a
+    restarted or requeued job, or the same command rerun into the same directory: it continues where it stopped),
+    else `ckpt_path` (null: from scratch)."""
+    own = Path(cfg.output_dir) / "checkpoints" / "last.pt"
+    return str(own) if cfg.resume and cfg.mode == "train" and own.is_file() else cfg.ckpt_path
 
 
 def check_resumable(path: str | Path, cfg: Any) -> None:
@@ -104,6 +117,8 @@ def checkpoint_state(
         "scheduler": scheduler.state_dict(),
         "epoch": state.epoch,
         "global_step": state.global_step,
+        "epoch_step": state.epoch_step,
+        "epoch_loss_sum": state.epoch_loss_sum,
         "best_metric": state.best_metric,
         "grad_scaler": precision.state_dict(),
         "metrics": metrics,
@@ -125,7 +140,13 @@ def resume(
     `model_only` (evaluation), the weights alone."""
     checkpoint = load_checkpoint(path, map_location=device)
     model.load_state_dict(checkpoint["model"])
-    state = TrainState(checkpoint["epoch"], checkpoint["global_step"], checkpoint.get("best_metric"))
+    state = TrainState(
+        checkpoint["epoch"],
+        checkpoint["global_step"],
+        checkpoint.get("epoch_step", 0),
+        checkpoint.get("epoch_loss_sum", 0.0),
+        checkpoint.get("best_metric"),
+    )
     if model_only:
         return state
     optimizer.load_state_dict(checkpoint["optimizer"])

@@ -111,6 +111,10 @@ class DDPConfig:
     """Gradients alias DDP's communication buckets: one copy less per step, less memory."""
     static_graph: bool = False
     """Promise that the set of used parameters never changes between steps, enabling more optimisations."""
+    max_restarts: int = 0
+    """Restart all ranks this many times after a failure; they continue from the run's checkpoints/last.pt."""
+    shutdown_timeout_s: float = 60.0
+    """On a stop signal, how long the ranks get to checkpoint and exit before they are killed."""
 
 
 @dataclass
@@ -130,6 +134,10 @@ class TrainConfig:
     """auto: cuda if available, else cpu. DDP uses the local rank's GPU."""
     ckpt_path: str | None = None
     """Resume from this checkpoint: weights, optimizer, scheduler, epoch, step and RNG state."""
+    resume: bool = True
+    """Continue from the run directory's own checkpoints/last.pt when there is one (a job restarted by torchrun,
+    requeued by SLURM, or rerun into the same `hydra.run.dir` after a stop signal); it takes precedence over
+    `ckpt_path`. false: start from `ckpt_path` or from scratch, overwriting the directory's checkpoints."""
     optimized_metric: str = "val/acc"
     """Returned to sweepers and used to choose checkpoints/best.pt."""
     optimized_metric_mode: str = "max"

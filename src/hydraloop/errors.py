@@ -1,7 +1,8 @@
-"""The ways a run ends in error with one line instead of a Python traceback: bad input, a diverged loss, and a
-failed rank (whose own traceback is in the job log)."""
+"""The ways a run ends in error with one line instead of a Python traceback: bad input, a diverged loss, a failed
+rank (whose own traceback is in the job log), and a stop signal."""
 
 import logging
+import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,6 +27,15 @@ class WorkerFailed(RuntimeError):
     """A rank of a spawned job failed. The message names the rank; its traceback is in the job log."""
 
 
+class Interrupted(RuntimeError):
+    """A stop signal ended the run after a checkpoint. Exits with 128 + the signal's number, as the shell reports a
+    process the signal ended (143 for SIGTERM), so schedulers and sweepers do not count the run as finished."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name} {message}")
+        self.exit_code = 128 + signum
+
+
 def unwrap_instantiation(error: BaseException) -> BaseException:
     """hydra.utils.instantiate wraps what a constructor raises; the constructor's own error is the cause."""
     return error.__cause__ if isinstance(error, InstantiationException) and error.__cause__ else error
@@ -33,7 +43,7 @@ def unwrap_instantiation(error: BaseException) -> BaseException:
 
 @contextmanager
 def exit_on_error() -> Iterator[None]:
-    """Turns ConfigError and WorkerFailed into one logged line and a non-zero exit; anything else propagates."""
+    """Turns the errors above into one logged line and a non-zero exit; anything else propagates."""
     try:
         yield
     except (ConfigError, InstantiationException) as error:
@@ -45,3 +55,6 @@ def exit_on_error() -> Iterator[None]:
     except (WorkerFailed, TrainingDiverged) as error:
         log.error("%s", error)
         sys.exit(FAILED_EXIT_CODE)
+    except Interrupted as error:
+        log.error("%s", error)
+        sys.exit(error.exit_code)

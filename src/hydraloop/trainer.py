@@ -20,18 +20,21 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from hydraloop.checkpoint import TrainState, checkpoint_state
-from hydraloop.errors import TrainingDiverged
+from hydraloop.errors import Interrupted, TrainingDiverged
 from hydraloop.parallel.single import SingleDevice
 from hydraloop.precision import Precision
+from hydraloop.preemption import STOP_SIGNALS, StopRequest
 from hydraloop.profiling import NullProfiler
 from hydraloop.run_writer import NullRunWriter
-from hydraloop.seeding import epoch_seed, seed_everything
+from hydraloop.seeding import StepSeeder, epoch_seed, seed_everything
 
 log = logging.getLogger(__name__)
 
 
-def batches_per_epoch(loader: DataLoader, limit: int | None) -> int:
-    return min(len(loader), limit or len(loader))
+def batches_per_epoch(loader: DataLoader, limit: int | None, skipped: int = 0) -> int:
+    """Steps in a whole epoch; `skipped`: batches the loader leaves out of this one (see ResumableSampler)."""
+    full = len(loader) + skipped
+    return min(full, limit or full)
 
 
 class Interval:
@@ -71,8 +74,10 @@ class Trainer:
         optimized_metric: str,
         optimized_metric_mode: str,
         config: dict[str, Any],
+        stop_request: StopRequest | None = None,
     ) -> None:
-        """`settings` is the `trainer` config node (see hydraloop.config.TrainerConfig for each key)."""
+        """`settings` is the `trainer` config node (see hydraloop.config.TrainerConfig for each key);
+        `stop_request` is set by a stop signal (see hydraloop.preemption)."""
         self.strategy = strategy
         self.writer = writer
         self.precision = precision
@@ -82,12 +87,16 @@ class Trainer:
         self.grad_accum_steps = settings.grad_accum_steps
         self.limit_train_batches = settings.limit_train_batches
         self.limit_val_batches = settings.limit_val_batches
+        self.save_checkpoints = settings.save_checkpoints
         self.channels_last = settings.channels_last
         self.global_batch_size = global_batch_size
         self.seed = seed
         self.optimized_metric = optimized_metric
         self.improved = operator.gt if optimized_metric_mode == "max" else operator.lt
         self.config = config  # stored in every checkpoint
+        self.stop_request = stop_request or StopRequest()
+        self.stop_signum = 0  # the stop signal all ranks agreed on at the last reduction
+        self.seed_step = StepSeeder(seed, strategy.rank, strategy.device)
         self.progress, self.profiler = tqdm(disable=True), NullProfiler()  # fit() swaps in the writer's
 
     def fit(
@@ -99,7 +108,10 @@ class Trainer:
         val_loader: DataLoader,
         state: TrainState,
     ) -> dict[str, Any]:
-        """Trains from `state` to `max_epochs`, validating and checkpointing after each epoch."""
+        """Trains from `state` to `max_epochs`, validating and checkpointing after each epoch.
+
+        On a stop signal, checkpoints after the next logging step (or epoch end) and raises Interrupted.
+        """
         start = time.perf_counter()
         train_loss, val_metrics = None, None
         total_steps = self.max_epochs * batches_per_epoch(train_loader, self.limit_train_batches)
@@ -109,9 +121,10 @@ class Trainer:
         ):
             while state.epoch < self.max_epochs:
                 seed_everything(epoch_seed(self.seed, self.strategy.rank, state.epoch))
-                train_loader.sampler.set_epoch(state.epoch)  # a new permutation per epoch, the same on every rank
+                # A new permutation per epoch, the same on every rank; after a mid-epoch checkpoint, its rest.
+                train_loader.sampler.set_epoch(state.epoch, start_batch=state.epoch_step)
                 train_loss = self.train_epoch(model, optimizer, scheduler, train_loader, state)
-                state.epoch += 1
+                state.epoch, state.epoch_step, state.epoch_loss_sum = state.epoch + 1, 0, 0.0
                 val_metrics = self.evaluate(model, val_loader)
                 self.writer.log_metrics({**val_metrics, "train/epoch_loss": train_loss}, state.global_step)
                 log.info(
@@ -126,12 +139,10 @@ class Trainer:
                 is_best = state.best_metric is None or self.improved(metric, state.best_metric)
                 if is_best:
                     state.best_metric = metric
-                # Built only if written: ranks other than 0 have a null writer and skip the state_dict copies.
-                make_state = partial(
-                    checkpoint_state, self.strategy.unwrap(model), optimizer, scheduler, self.precision, state,
-                    val_metrics, self.config,
-                )  # fmt: skip
-                self.writer.save_checkpoint(make_state, is_best=is_best)
+                self._save_checkpoint(model, optimizer, scheduler, state, val_metrics, is_best)
+                if self.stop_signum:
+                    log.info("stopping after epoch %d", state.epoch)
+                    raise Interrupted(self.stop_signum, f"after epoch {state.epoch}: {self._resume_hint()}")
         if val_metrics is None:  # resumed from a checkpoint at or past max_epochs: nothing left to train
             val_metrics = self.evaluate(model, val_loader)
         wall_time_s = time.perf_counter() - start
@@ -142,6 +153,27 @@ class Trainer:
         start = time.perf_counter()
         metrics = self.evaluate(model, val_loader)
         return {**self._summary(metrics, state), "wall_time_s": time.perf_counter() - start}
+
+    def _save_checkpoint(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer,
+        scheduler: LRScheduler,
+        state: TrainState,
+        val_metrics: dict[str, float],
+        is_best: bool,
+    ) -> None:
+        # Built only if written: ranks other than 0 have a null writer and skip the state_dict copies.
+        make_state = partial(
+            checkpoint_state, self.strategy.unwrap(model), optimizer, scheduler, self.precision, state,
+            val_metrics, self.config,
+        )  # fmt: skip
+        self.writer.save_checkpoint(make_state, is_best=is_best)
+
+    def _resume_hint(self) -> str:
+        if not self.save_checkpoints:
+            return "trainer.save_checkpoints=false, so nothing was saved"
+        return "checkpoints/last.pt holds it; the same command run into the same directory continues from there"
 
     def _summary(self, val_metrics: dict[str, float], state: TrainState) -> dict[str, Any]:
         return {
@@ -159,33 +191,55 @@ class Trainer:
         loader: DataLoader,
         state: TrainState,
     ) -> float:
-        """One pass over this rank's shard; returns the epoch's mean train loss over all ranks."""
+        """The rest of one pass over this rank's shard (all of it, unless resumed mid-epoch); returns the epoch's
+        mean train loss over all ranks."""
         model.train()
         device = self.strategy.device
-        # Losses are summed on the device and read back only on logging steps: `.item()` is a host sync.
-        epoch_loss = torch.zeros((), device=device)
+        steps = batches_per_epoch(loader, self.limit_train_batches, skipped=state.epoch_step)
+        # Losses are summed on the device and read back only on logging steps: `.item()` is a host sync. Each rank
+        # starts from the global sum of a resumed epoch's earlier steps; the mean below divides by world size.
+        epoch_loss = torch.full((), state.epoch_loss_sum, device=device)
         interval = Interval(device, self.log_every_n_steps, state.global_step + 1)
         batches = iter(loader)
-        for _ in range(batches_per_epoch(loader, self.limit_train_batches)):
+        for _ in range(state.epoch_step, steps):
             wait_start = time.perf_counter()
             inputs, targets = next(batches)
             interval.data_wait_s += time.perf_counter() - wait_start
+            self.seed_step(state.global_step)
             loss = self.train_step(
                 model, optimizer, inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
             )
             scheduler.step()
             self.profiler.step()
             state.global_step += 1
+            state.epoch_step += 1
             interval.add(loss)
             if state.global_step % self.log_every_n_steps == 0:
                 epoch_loss += interval.loss_sum
                 self._log_interval(interval, scheduler, state)
                 interval = Interval(device, self.log_every_n_steps, state.global_step + 1)
+                if self.stop_signum:
+                    self._stop_mid_epoch(model, optimizer, scheduler, state, epoch_loss, steps)
         epoch_loss += interval.loss_sum
         self.progress.update(interval.steps)
-        mean = self._global_mean(epoch_loss, batches_per_epoch(loader, self.limit_train_batches))
+        mean = self._global_mean(epoch_loss, steps)
         self._check_finite(mean, interval, state)  # the steps since the last logging step
         return mean
+
+    def _stop_mid_epoch(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer,
+        scheduler: LRScheduler,
+        state: TrainState,
+        epoch_loss: Tensor,
+        steps: int,
+    ) -> None:
+        state.epoch_loss_sum = self._global_mean(epoch_loss, 1)  # every rank's sum, over the world size
+        self._save_checkpoint(model, optimizer, scheduler, state, {}, is_best=False)
+        where = f"after step {state.global_step} (epoch {state.epoch + 1}, step {state.epoch_step} of {steps})"
+        log.info("stopping %s", where)  # the launcher of spawned ranks reports only the signal
+        raise Interrupted(self.stop_signum, f"{where}: {self._resume_hint()}")
 
     def train_step(self, model: nn.Module, optimizer: Optimizer, inputs: Tensor, targets: Tensor) -> Tensor:
         """One optimizer step over this rank's batch, in `grad_accum_steps` micro-batches; returns the mean loss."""
@@ -261,8 +315,15 @@ class Trainer:
         )
 
     def _global_mean(self, loss_sum: Tensor, steps: int) -> float:
-        """Mean per-step loss over all ranks (each rank's step loss is the mean over an equal-sized shard)."""
-        total = self.strategy.all_reduce(loss_sum.detach().clone().reshape(1)).item()
+        """Mean per-step loss over all ranks (each rank's step loss is the mean over an equal-sized shard).
+
+        The same all-reduce counts the ranks that got each stop signal: all ranks learn of a stop at the same step.
+        """
+        votes = [float(self.stop_request.signum == signum) for signum in STOP_SIGNALS]
+        reduced = torch.tensor([0.0, *votes], device=loss_sum.device)
+        reduced[0] = loss_sum.detach()
+        total, *votes = self.strategy.all_reduce(reduced).tolist()
+        self.stop_signum = next((signum for signum, n in zip(STOP_SIGNALS, votes) if n), 0)
         return total / max(1, steps * self.strategy.world_size) if steps else math.nan
 
     @torch.no_grad()

@@ -6,6 +6,7 @@ single-process training visits the same samples per step as DDP. With drop_last 
 the sampler's padding) is dropped, which keeps that true for the last step too.
 """
 
+import itertools
 import random
 from collections.abc import Iterator
 
@@ -15,6 +16,29 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
 from hydraloop.errors import ConfigError
+
+
+class ResumableSampler(DistributedSampler):
+    """DistributedSampler whose epoch can begin part-way, after its first `start_batch` batches: a run resumed from a
+    mid-epoch checkpoint sees the rest of the epoch the uninterrupted run saw, without loading what it skips.
+
+    Every rank skips `start_batch` of its own batches, which together are the first `start_batch` global batches.
+    """
+
+    def __init__(self, *args, batch_size: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.batch_size = batch_size
+        self.start_batch = 0
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        super().set_epoch(epoch)
+        self.start_batch = start_batch
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(super().__iter__(), self.start_batch * self.batch_size, None)
+
+    def __len__(self) -> int:
+        return max(0, super().__len__() - self.start_batch * self.batch_size)
 
 
 class ShardSampler(Sampler[int]):
@@ -76,11 +100,17 @@ def build_loaders(
 ) -> tuple[DataLoader | DeviceBatches, DataLoader | DeviceBatches]:
     # The sampler drops (rather than pads) the tail that does not split evenly over the ranks, so no rank
     # takes an extra batch of duplicated samples that one process would not see.
-    train_sampler = DistributedSampler(
-        train_set, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+    batch_size, val_batch_size = global_batch_size // world_size, max(1, global_val_batch_size // world_size)
+    train_sampler = ResumableSampler(
+        train_set,
+        num_replicas=world_size,
+        rank=rank,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=drop_last,
+        batch_size=batch_size,
     )
     val_sampler = ShardSampler(len(val_set), rank, world_size)
-    batch_size, val_batch_size = global_batch_size // world_size, max(1, global_val_batch_size // world_size)
     if on_device:
         return (
             DeviceBatches(_device_tensors(train_set, device), train_sampler, batch_size, drop_last),

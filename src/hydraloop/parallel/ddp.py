@@ -9,11 +9,12 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.nn.parallel import DistributedDataParallel
 
-from hydraloop.errors import ConfigError, WorkerFailed
+from hydraloop.errors import ConfigError, Interrupted, WorkerFailed
 from hydraloop.parallel.single import SingleDevice, resolve_device
 
 T = TypeVar("T")
@@ -28,7 +29,9 @@ class DDPStrategy(SingleDevice):
     If an outside launcher (torchrun, SLURM) already set RANK / WORLD_SIZE / LOCAL_RANK, this process is one rank
     and joins that group. Otherwise `launch` starts `nproc_per_node` ranks itself through
     torch.distributed.elastic, the engine behind torchrun: a c10d rendezvous on a free port (so two jobs on one
-    machine never collide), and the whole job is stopped as soon as any rank fails.
+    machine never collide), and the whole job is stopped as soon as any rank fails (or, with `max_restarts`,
+    restarted: the ranks continue from the run's last checkpoint). A stop signal to the launcher is passed on to
+    the ranks, which checkpoint and stop (see hydraloop.preemption).
     """
 
     def __init__(
@@ -41,6 +44,8 @@ class DDPStrategy(SingleDevice):
         bucket_cap_mb: float = 25.0,
         gradient_as_bucket_view: bool = True,
         static_graph: bool = False,
+        max_restarts: int = 0,
+        shutdown_timeout_s: float = 60.0,
     ) -> None:
         super().__init__(device)
         use_cuda = resolve_device(device).type == "cuda"  # checked by SingleDevice too; needed for defaults
@@ -52,6 +57,10 @@ class DDPStrategy(SingleDevice):
             gradient_as_bucket_view=gradient_as_bucket_view,
             static_graph=static_graph,
         )
+        if max_restarts < 0:
+            raise ConfigError(f"parallel.max_restarts={max_restarts}: must be 0 or more")
+        self.max_restarts = max_restarts
+        self.shutdown_timeout_s = shutdown_timeout_s
         self.launched_outside = all(key in os.environ for key in LAUNCHER_ENV)
         if self.launched_outside:
             self.rank = int(os.environ["RANK"])
@@ -80,14 +89,19 @@ class DDPStrategy(SingleDevice):
             run_id=str(uuid.uuid4()),
             rdzv_backend="c10d",
             rdzv_endpoint="localhost:0",  # port 0: the agent binds a free port and tells the workers
-            max_restarts=0,
+            max_restarts=self.max_restarts,
             monitor_interval=0.1,
             start_method="spawn",
+            # Passed on to the ranks, which then checkpoint and stop: SIGUSR1 is SLURM's usual early warning.
+            signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+            shutdown_timeout=int(self.shutdown_timeout_s),  # how long the ranks get for that before SIGKILL
         )
         # The agent reports each rank's failure with a full traceback; the worker has already logged it.
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
         try:
             return elastic_launch(config, worker)(*args)[0]  # {rank: result}; ranks agree, rank 0 speaks
+        except SignalException as stop:
+            raise Interrupted(stop.sigval, "(passed on to the ranks, which checkpoint first: see train.log)") from None
         except ChildFailedError as failed:
             rank, failure = failed.get_first_failure()
             message = failure.message.get("message") if isinstance(failure.message, dict) else failure.message
@@ -103,6 +117,7 @@ class DDPStrategy(SingleDevice):
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
         dist.init_process_group(
             self.backend,
+            store=_attempt_store(self.timeout),
             rank=self.rank,
             world_size=self.world_size,
             timeout=self.timeout,
@@ -128,3 +143,17 @@ class DDPStrategy(SingleDevice):
     def teardown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _attempt_store(timeout: timedelta) -> dist.Store | None:
+    """Under torch.distributed.elastic (torchrun, or `launch` above), the agent's key-value store with a namespace
+    per attempt; None elsewhere (init_process_group then reads MASTER_ADDR / MASTER_PORT itself).
+
+    The agent keeps one store across worker restarts, and without the namespace a restarted gloo rank reads the
+    dead attempt's addresses and fails to connect: plain `torchrun --max-restarts` with gloo never recovers
+    (PyTorch 2.13; pytorch/pytorch#135712 and #167288 report the same for nccl).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"hydraloop/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)

@@ -1,0 +1,129 @@
+"""Stopping and starting again: a stop signal checkpoints mid-epoch and a rerun continues to the uninterrupted
+run's result; a dead rank ends the job quickly with its last good checkpoint intact; a restarted job resumes."""
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import TRAIN, max_param_diff, torchrun_command
+
+pytestmark = pytest.mark.slow
+
+RECIPE = ("trainer.max_epochs=2", "model.dropout=0.2", "trainer.log_every_n_steps=5", "logger=none")
+
+
+def wait_for(path, process, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert process.poll() is None, process.communicate()[0]
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("parallel", ["single", "ddp"])
+def test_stop_signal_mid_epoch_then_rerun_ends_where_the_uninterrupted_run_ends(
+    run_train, train_env, tmp_path, parallel
+):
+    pause_file = tmp_path / "paused"
+    command = [
+        sys.executable,
+        str(TRAIN),
+        f"hydra.run.dir={tmp_path / 'run'}",
+        f"parallel={parallel}",
+        *RECIPE,
+        "model._target_=tests.faults.PausingMLP",
+        f"+model.pause_file={pause_file}",
+        "+model.fail_rank=0",
+        "+model.fail_at_step=13",
+    ]
+    job = subprocess.Popen(command, env=train_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for(pause_file, job)  # rank 0 is inside step 13 (of 22 in epoch 1)
+    job.send_signal(signal.SIGTERM)  # to the launcher: under ddp, torch.distributed.elastic passes it on
+    output = job.communicate(timeout=120)[0]
+
+    assert job.returncode == 128 + signal.SIGTERM, output
+    assert "stopped by SIGTERM" in output
+    checkpoint = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+    # The next logging step after the signal: step 15, mid-epoch.
+    assert (checkpoint["epoch"], checkpoint["global_step"], checkpoint["epoch_step"]) == (0, 15, 15)
+    assert not (tmp_path / "run" / "metrics.json").exists()  # the run did not finish
+
+    rerun = subprocess.run(command, env=train_env, capture_output=True, text=True, timeout=180)  # the same command
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert "checkpoints/last.pt: epoch 0, step 15" in rerun.stdout + rerun.stderr
+    uninterrupted = run_train(f"parallel={parallel}", *RECIPE)
+    assert uninterrupted.returncode == 0, uninterrupted.output
+
+    resumed = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+    expected = uninterrupted.checkpoint()
+    assert resumed["global_step"] == expected["global_step"] == 44
+    assert max_param_diff(resumed["model"], expected["model"]) < 1e-6  # dropout masks included: per-step seeds
+    assert resumed["metrics"]["val/acc"] == expected["metrics"]["val/acc"]
+
+
+def test_killed_rank_ends_the_job_within_seconds_and_keeps_the_last_checkpoint(run_train):
+    started = time.monotonic()
+    run = run_train(
+        "parallel=ddp",
+        "trainer.max_epochs=3",
+        "logger=none",
+        "model._target_=tests.faults.KilledMLP",
+        "+model.fail_rank=1",
+        "+model.fail_at_step=30",  # in epoch 2, after epoch 1's checkpoint (22 steps)
+        timeout=150,
+    )
+    elapsed = time.monotonic() - started
+    assert run.returncode == 1, run.output
+    assert "rank 1 failed (exit code -9)" in run.output
+    # The agent sees the dead process at once and stops the others; not a benchmark, a bound.
+    assert elapsed < 60
+    checkpoint = run.checkpoint("last.pt")
+    assert (checkpoint["epoch"], checkpoint["global_step"]) == (1, 22)
+    assert not list((run.run_dir / "checkpoints").glob("*.tmp"))
+
+
+FAIL_ONCE = ("model._target_=tests.faults.FailingOnceMLP", "+model.fail_rank=1", "+model.fail_at_step=30")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_3_epochs(run_train):
+    run = run_train("parallel=ddp", "trainer.max_epochs=3", "model.dropout=0.2", "logger=none")
+    assert run.returncode == 0, run.output
+    return run
+
+
+def test_restarted_ranks_resume_from_the_last_checkpoint(run_train, uninterrupted_3_epochs):
+    run = run_train(
+        "parallel=ddp",
+        "parallel.max_restarts=1",
+        "trainer.max_epochs=3",
+        "model.dropout=0.2",
+        "logger=none",
+        *FAIL_ONCE,
+    )
+    assert run.returncode == 0, run.output
+    assert "injected failure at step 30" in run.log  # the first attempt did fail
+    assert "checkpoints/last.pt: epoch 1, step 22" in run.log  # and the second started from epoch 1's checkpoint
+    assert run.metrics["global_step"] == 66
+    assert max_param_diff(run.checkpoint()["model"], uninterrupted_3_epochs.checkpoint()["model"]) < 1e-6
+
+
+def test_torchrun_max_restarts_resumes_in_the_same_run_directory(tmp_path, train_env, uninterrupted_3_epochs):
+    command = torchrun_command(
+        "trainer.max_epochs=3",
+        "model.dropout=0.2",
+        "logger=none",
+        *FAIL_ONCE,
+        launcher_args=("--standalone", "--nproc_per_node=2", "--max-restarts=1"),
+    )
+    proc = subprocess.run(command, cwd=tmp_path, env=train_env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dirs = [p for p in (tmp_path / "outputs").glob("*/*") if p.is_dir()]
+    assert len(run_dirs) == 1  # the restarted ranks found the first attempt's directory, and its checkpoint
+    assert "checkpoints/last.pt: epoch 1, step 22" in (run_dirs[0] / "train.log").read_text()
+    model = torch.load(run_dirs[0] / "checkpoints" / "last.pt", weights_only=True)["model"]
+    assert max_param_diff(model, uninterrupted_3_epochs.checkpoint()["model"]) < 1e-6
