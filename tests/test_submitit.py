@@ -81,7 +81,8 @@ def sweep_and_jobs(sweep_root: Path) -> tuple[Path, list[Path]]:
 
 def task_returns(sweep: Path, job: Path) -> list[float]:
     """What each task of the job returned, by rank: the result files the launcher's `job.results()` reads."""
-    job_id = yaml.safe_load((job / ".hydra" / "hydra.yaml").read_text())["hydra"]["job"]["id"]  # submitit's job id
+    hydra_config = yaml.safe_load((job / ".hydra" / "hydra.yaml").read_text())
+    job_id = str(hydra_config["hydra"]["job"]["id"])  # the plugin sets hydra.job.id to submitit's job id
     returns = []
     for rank in range(2):
         result = sweep / ".submitit" / job_id / f"{job_id}_{rank}_result.pkl"
