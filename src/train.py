@@ -16,6 +16,7 @@ from hydraloop.checkpoint import TrainState, check_resumable, checkpoint_to_resu
 from hydraloop.config import check_config, check_required, register_configs
 from hydraloop.data.loaders import build_loaders
 from hydraloop.errors import ConfigError, Interrupted, TrainingDiverged, exit_on_error, unwrap_instantiation
+from hydraloop.parallel.cluster import export_submitit_rank_env
 from hydraloop.precision import Precision
 from hydraloop.preemption import StopRequest
 from hydraloop.rank_logging import setup_rank_logging
@@ -131,7 +132,13 @@ def main(cfg: DictConfig) -> float:
         check_required(cfg)  # before resolving, which would fail on a `???` with a traceback
         # Resolved here, where Hydra's resolvers work: worker processes get plain values and never touch Hydra.
         cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True), flags={"struct": True})
+        tasks = export_submitit_rank_env()  # under hydra/launcher=slurm, this process may be one rank of a job
         strategy = instantiate(cfg.parallel, device=cfg.device)
+        if tasks > 1 and strategy.world_size != tasks:  # every task would be a rank 0 writing the run directory
+            raise ConfigError(
+                f"hydra.launcher starts {tasks} tasks per job, one rank each, but {type(strategy).__name__} runs "
+                "one process: use parallel=ddp, or one task per job"
+            )
         check_config(cfg, strategy.world_size)
         ckpt_path = checkpoint_to_resume(cfg)
         if ckpt_path:
