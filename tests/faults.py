@@ -49,8 +49,8 @@ class NaNMLP(RaisingMLP):
 
 
 class PausingMLP(RaisingMLP):
-    """Pauses rank `fail_rank` for a few seconds in step `fail_at_step`, once per `pause_file` (which it creates, so a
-    test knows the run is mid-step and can signal it; a rerun finds the file and does not pause)."""
+    """Pauses rank `fail_rank` for a few seconds in step `fail_at_step`, once per `pause_file` (which it creates with
+    its process id, so a test knows the run is mid-step and whom to signal; a rerun finds the file, does not pause)."""
 
     def __init__(self, *args, pause_file: str, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -58,7 +58,9 @@ class PausingMLP(RaisingMLP):
 
     def misbehave(self) -> None:
         if not os.path.exists(self.pause_file):
-            open(self.pause_file, "w").close()
+            with open(self.pause_file + ".tmp", "w") as file:
+                file.write(str(os.getpid()))
+            os.replace(self.pause_file + ".tmp", self.pause_file)
             time.sleep(3)
 
 

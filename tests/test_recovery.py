@@ -9,19 +9,11 @@ import time
 import pytest
 import torch
 
-from conftest import TRAIN, max_param_diff, torchrun_command
+from conftest import TRAIN, max_param_diff, torchrun_command, wait_for
 
 pytestmark = pytest.mark.slow
 
 RECIPE = ("trainer.max_epochs=2", "model.dropout=0.2", "trainer.log_every_n_steps=5", "logger=none")
-
-
-def wait_for(path, process, timeout=120):
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert process.poll() is None, process.communicate()[0]
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("parallel", ["single", "ddp"])

@@ -8,6 +8,9 @@ The jobs run on submitit's local executor (`hydra/launcher=submitit_local`), whi
 import json
 import os
 import pickle
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +18,7 @@ import torch
 import yaml
 from hydra import compose, initialize_config_dir
 
-from conftest import REPO, max_param_diff
+from conftest import REPO, TRAIN, max_param_diff, wait_for
 from hydraloop.config import register_configs
 from hydraloop.parallel.cluster import export_submitit_rank_env, master_port
 
@@ -129,3 +132,32 @@ def test_sweeper_receives_rank_0s_metric(run_train, tmp_path):
     metrics = json.loads((tmp_path / "0" / "metrics.json").read_text())
     assert metrics["world_size"] == 2
     assert yaml.safe_load((tmp_path / "optimization_results.yaml").read_text())["best_value"] == metrics["val/acc"]
+
+
+@pytest.mark.slow
+def test_time_limit_signal_checkpoints_requeues_and_resumes(run_train, train_env, tmp_path):
+    """SIGUSR2, submitit's warning before the time limit, reaches rank 0 mid-epoch. The ranks checkpoint at the next
+    logging step, then submitit's own handler requeues the job, which resumes in the same directory and ends where an
+    uninterrupted run ends; the sweeper receives that result."""
+    recipe = ("trainer.max_epochs=2", "model.dropout=0.2", "trainer.log_every_n_steps=5", "logger=none")
+    pause_file = tmp_path / "paused"
+    fault = ("model._target_=tests.faults.PausingMLP", f"+model.pause_file={pause_file}", "+model.fail_rank=0")
+    command = [sys.executable, str(TRAIN), *TWO_RANK_JOBS, f"hydra.sweep.dir={tmp_path}/sweep", *recipe, *fault]
+    sweep = subprocess.Popen(
+        [*command, "+model.fail_at_step=13"], env=train_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    wait_for(pause_file, sweep)  # rank 0 is inside step 13
+    os.kill(int(pause_file.read_text()), signal.SIGUSR2)
+    output = sweep.communicate(timeout=300)[0]
+    assert sweep.returncode == 0, output
+
+    job = tmp_path / "sweep" / "0"
+    log = (job / "train.log").read_text()
+    assert "stopping after step 15 (epoch 1, step 15 of 22)" in log
+    assert f"loaded {job}/checkpoints/last.pt: epoch 0, step 15" in log  # the requeued job, in the same directory
+    uninterrupted = run_train("parallel=ddp", *recipe)
+    assert uninterrupted.returncode == 0, uninterrupted.output
+    final = torch.load(job / "checkpoints" / "last.pt", weights_only=True)
+    assert final["global_step"] == 44
+    assert max_param_diff(final["model"], uninterrupted.checkpoint()["model"]) < 1e-6
+    assert task_returns(tmp_path / "sweep", job) == [final["metrics"]["val/acc"]] * 2

@@ -33,6 +33,7 @@ class Interrupted(RuntimeError):
 
     def __init__(self, signum: int, message: str) -> None:
         super().__init__(f"stopped by {signal.Signals(signum).name} {message}")
+        self.signum = signum
         self.exit_code = 128 + signum
 
 

@@ -1,9 +1,12 @@
-"""Stopping on request: SIGTERM or SIGUSR1 (what SLURM sends before a time limit or on preemption, and what torchrun
-forwards to its workers when it is itself asked to stop).
+"""Stopping on request: SIGTERM or SIGUSR1 (what SLURM sends on preemption or before a time limit, and what torchrun
+forwards to its workers when it is itself asked to stop), and SIGUSR2 (submitit's time-limit warning).
 
 The handler only records the signal. The loop acts on it at its next logging step or epoch end, where the ranks
 already meet in an all-reduce: the request travels in that reduction, so every rank stops after the same step even
 if the signal reached only some of them, or reached them at different steps.
+
+A handler that was installed before (submitit's, which requeues the job on SIGUSR2) is called once the checkpoint is
+written, instead of at once in the middle of a step: the requeued job then resumes from that checkpoint.
 """
 
 import logging
@@ -11,9 +14,11 @@ import signal
 import threading
 from types import FrameType
 
+from hydraloop.errors import Interrupted
+
 log = logging.getLogger(__name__)
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 
 class StopRequest:
@@ -33,6 +38,9 @@ class StopRequest:
             self._previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, traceback: object) -> None:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
+        previous = self._previous.get(exc.signum) if isinstance(exc, Interrupted) else None
+        if callable(previous):  # SIG_DFL and SIG_IGN are not
+            previous(exc.signum, None)

@@ -92,8 +92,9 @@ class DDPStrategy(SingleDevice):
             max_restarts=self.max_restarts,
             monitor_interval=0.1,
             start_method="spawn",
-            # Passed on to the ranks, which then checkpoint and stop: SIGUSR1 is SLURM's usual early warning.
-            signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+            # Passed on to the ranks, which then checkpoint and stop (hydraloop.preemption): SIGUSR1 is SLURM's usual
+            # early warning, SIGUSR2 submitit's.
+            signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2",
             shutdown_timeout=int(self.shutdown_timeout_s),  # how long the ranks get for that before SIGKILL
         )
         # The agent reports each rank's failure with a full traceback; the worker has already logged it.
