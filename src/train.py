@@ -68,13 +68,7 @@ def train(cfg: DictConfig) -> dict:
         state = TrainState()
         if cfg.ckpt_path:
             state = resume(
-                cfg.ckpt_path,
-                strategy.unwrap(model),
-                optimizer,
-                scheduler,
-                precision,
-                strategy.device,
-                model_only=cfg.mode == "eval",
+                cfg.ckpt_path, strategy, model, optimizer, scheduler, precision, model_only=cfg.mode == "eval"
             )
             log.info("loaded %s: epoch %d, step %d", cfg.ckpt_path, state.epoch, state.global_step)
 
