@@ -113,6 +113,28 @@ class DDPConfig:
 
 
 @dataclass
+class FSDPConfig:
+    _target_: str = "hydraloop.parallel.fsdp.FSDPStrategy"
+    nproc_per_node: int | None = None
+    """Worker processes to start on this machine; null: one per visible GPU, or 2 on a CPU-only machine."""
+    backend: str | None = None
+    """Process-group backend; null: nccl on CUDA, gloo on CPU."""
+    timeout_s: float = 300.0
+    """Process-group timeout: a collective that waits longer than this fails instead of hanging."""
+    shard_modules: list[str] | None = field(default_factory=lambda: ["Linear"])
+    """Class names of the modules that each become one FSDP unit (all-gathered together); the root unit takes
+    the remaining parameters. Each name must match a module of the model. null or []: one unit, the root."""
+    reshard_after_forward: bool = True
+    """Free each unit's gathered parameters after its forward and gather them again for backward: less memory,
+    more communication. false keeps them until backward."""
+    param_dtype: str | None = None
+    """null, float32 or bfloat16: the dtype forward and backward compute in (the sharded weights and the
+    optimizer stay float32). null: the parameters' own dtype."""
+    reduce_dtype: str | None = None
+    """null, float32 or bfloat16: the dtype gradients are reduce-scattered in. null: `param_dtype`."""
+
+
+@dataclass
 class TrainConfig:
     parallel: Any = MISSING
     data: DataConfig = MISSING
@@ -162,6 +184,7 @@ def register_configs() -> None:
     cs.store(group="schema/parallel", name="single", node=SingleConfig)
     cs.store(group="schema/parallel", name="dataparallel", node=DataParallelConfig)
     cs.store(group="schema/parallel", name="ddp", node=DDPConfig)
+    cs.store(group="schema/parallel", name="fsdp", node=FSDPConfig)
 
 
 def check_config(cfg: Any, world_size: int) -> None:
