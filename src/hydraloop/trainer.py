@@ -222,7 +222,8 @@ class Trainer:
                 self.precision.backward(loss / n if n > 1 else loss)
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
         if self.grad_clip_norm is not None:
-            # DDP has averaged the gradients by now, so every rank clips by the same global norm.
+            # DDP has averaged the gradients by now, so every rank clips by the same global norm. Under FSDP each
+            # rank holds a shard (DTensor) of them, and clip_grad_norm_ takes the norm over all shards.
             self.precision.unscale_(optimizer)
             nn.utils.clip_grad_norm_(model.parameters(), self.grad_clip_norm)
         self.precision.step(optimizer)
