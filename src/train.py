@@ -70,15 +70,7 @@ def train(cfg: DictConfig) -> dict:
         state = TrainState()
         ckpt_path = checkpoint_to_resume(cfg)  # per rank, per start: a restarted rank finds the latest checkpoint
         if ckpt_path:
-            state = resume(
-                ckpt_path,
-                strategy.unwrap(model),
-                optimizer,
-                scheduler,
-                precision,
-                strategy.device,
-                model_only=cfg.mode == "eval",
-            )
+            state = resume(ckpt_path, strategy, model, optimizer, scheduler, precision, model_only=cfg.mode == "eval")
             log.info("loaded %s: epoch %d, step %d", ckpt_path, state.epoch, state.global_step)
 
         config = OmegaConf.to_container(cfg, resolve=True)

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 RECIPE = ("trainer.max_epochs=2", "model.dropout=0.2", "trainer.log_every_n_steps=5", "logger=none")
 
 
-@pytest.mark.parametrize("parallel", ["single", "ddp"])
+@pytest.mark.parametrize("parallel", ["single", "ddp", "fsdp"])
 def test_stop_signal_mid_epoch_then_rerun_ends_where_the_uninterrupted_run_ends(
     run_train, train_env, tmp_path, parallel
 ):

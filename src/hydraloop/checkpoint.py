@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 from hydraloop.errors import ConfigError
+from hydraloop.parallel.single import SingleDevice
 from hydraloop.precision import Precision
 from hydraloop.schedulers import apply_current_step
 
@@ -102,18 +103,19 @@ def check_resumable(path: str | Path, cfg: Any) -> None:
 
 
 def checkpoint_state(
-    model: nn.Module,
-    optimizer: Optimizer,
+    model_state: dict[str, Any],
+    optimizer_state: dict[str, Any],
     scheduler: LambdaLR,
     precision: Precision,
     state: TrainState,
     metrics: dict[str, float],
     config: dict[str, Any],
 ) -> dict[str, Any]:
-    """What a checkpoint holds (see the module docstring); `model` is the unwrapped module."""
+    """What a checkpoint holds (see the module docstring). The model's and optimizer's state come from the
+    strategy (`SingleDevice.state_dicts`): those of a plain model and optimizer, under every strategy."""
     return {
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
+        "model": model_state,
+        "optimizer": optimizer_state,
         "scheduler": scheduler.state_dict(),
         "epoch": state.epoch,
         "global_step": state.global_step,
@@ -129,17 +131,17 @@ def checkpoint_state(
 
 def resume(
     path: str | Path,
+    strategy: SingleDevice,
     model: nn.Module,
     optimizer: Optimizer,
     scheduler: LambdaLR,
     precision: Precision,
-    device: torch.device,
     model_only: bool = False,
 ) -> TrainState:
-    """Loads everything a checkpoint holds into the (unwrapped) model and the training objects; with
-    `model_only` (evaluation), the weights alone."""
-    checkpoint = load_checkpoint(path, map_location=device)
-    model.load_state_dict(checkpoint["model"])
+    """Loads everything a checkpoint holds into the (wrapped) model and the training objects; with
+    `model_only` (evaluation), the weights alone. Every rank reads the file."""
+    checkpoint = load_checkpoint(path, map_location=strategy.device)
+    strategy.load_model_state(model, checkpoint["model"])
     state = TrainState(
         checkpoint["epoch"],
         checkpoint["global_step"],
@@ -149,7 +151,7 @@ def resume(
     )
     if model_only:
         return state
-    optimizer.load_state_dict(checkpoint["optimizer"])
+    strategy.load_optimizer_state(model, optimizer, checkpoint["optimizer"])
     scheduler.load_state_dict(checkpoint["scheduler"])
     apply_current_step(scheduler)
     precision.load_state_dict(checkpoint.get("grad_scaler", {}))

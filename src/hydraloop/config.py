@@ -96,14 +96,24 @@ class DataParallelConfig:
 
 
 @dataclass
-class DDPConfig:
-    _target_: str = "hydraloop.parallel.ddp.DDPStrategy"
+class ProcessGroupConfig:
+    """What every one-process-per-device strategy shares: how its ranks start, meet and stop."""
+
     nproc_per_node: int | None = None
     """Worker processes to start on this machine; null: one per visible GPU, or 2 on a CPU-only machine."""
     backend: str | None = None
     """Process-group backend; null: nccl on CUDA, gloo on CPU."""
     timeout_s: float = 300.0
     """Process-group timeout: a collective that waits longer than this fails instead of hanging."""
+    max_restarts: int = 0
+    """Restart all ranks this many times after a failure; they continue from the run's checkpoints/last.pt."""
+    shutdown_timeout_s: float = 60.0
+    """On a stop signal, how long the ranks get to checkpoint and exit before they are killed."""
+
+
+@dataclass
+class DDPConfig(ProcessGroupConfig):
+    _target_: str = "hydraloop.parallel.ddp.DDPStrategy"
     find_unused_parameters: bool = False
     bucket_cap_mb: float = 25.0
     """Gradients are all-reduced in buckets of about this size, overlapping with the backward pass."""
@@ -111,10 +121,22 @@ class DDPConfig:
     """Gradients alias DDP's communication buckets: one copy less per step, less memory."""
     static_graph: bool = False
     """Promise that the set of used parameters never changes between steps, enabling more optimisations."""
-    max_restarts: int = 0
-    """Restart all ranks this many times after a failure; they continue from the run's checkpoints/last.pt."""
-    shutdown_timeout_s: float = 60.0
-    """On a stop signal, how long the ranks get to checkpoint and exit before they are killed."""
+
+
+@dataclass
+class FSDPConfig(ProcessGroupConfig):
+    _target_: str = "hydraloop.parallel.fsdp.FSDPStrategy"
+    shard_modules: list[str] | None = field(default_factory=lambda: ["Linear"])
+    """Class names of the modules that each become one FSDP unit (all-gathered together); the root unit takes
+    the remaining parameters. Each name must match a module of the model. null or []: one unit, the root."""
+    reshard_after_forward: bool = True
+    """Free each unit's gathered parameters after its forward and gather them again for backward: less memory,
+    more communication. false keeps them until backward."""
+    param_dtype: str | None = None
+    """null, float32 or bfloat16: the dtype forward and backward compute in (the sharded weights and the
+    optimizer stay float32). null: the parameters' own dtype."""
+    reduce_dtype: str | None = None
+    """null, float32 or bfloat16: the dtype gradients are reduce-scattered in. null: `param_dtype`."""
 
 
 @dataclass
@@ -189,6 +211,7 @@ def register_configs() -> None:
     cs.store(group="schema/parallel", name="single", node=SingleConfig)
     cs.store(group="schema/parallel", name="dataparallel", node=DataParallelConfig)
     cs.store(group="schema/parallel", name="ddp", node=DDPConfig)
+    cs.store(group="schema/parallel", name="fsdp", node=FSDPConfig)
 
 
 def check_config(cfg: Any, world_size: int) -> None:

@@ -1,6 +1,6 @@
 """The training loop. It runs identically on every rank, talks to the parallel strategy only through its small
-interface (`all_reduce`, `no_sync`, `unwrap`, `eval_module`), and to the run directory only through the (possibly
-null) run writer."""
+interface (`all_reduce`, `no_sync`, `eval_module`, `eval_batches`, `state_dicts`), and to the run directory only
+through the (possibly null) run writer."""
 
 import itertools
 import logging
@@ -8,7 +8,6 @@ import math
 import operator
 import time
 from contextlib import nullcontext
-from functools import partial
 from typing import Any
 
 import torch
@@ -85,9 +84,9 @@ class Trainer:
         self.log_every_n_steps = settings.log_every_n_steps
         self.grad_clip_norm = settings.grad_clip_norm
         self.grad_accum_steps = settings.grad_accum_steps
+        self.save_checkpoints = settings.save_checkpoints
         self.limit_train_batches = settings.limit_train_batches
         self.limit_val_batches = settings.limit_val_batches
-        self.save_checkpoints = settings.save_checkpoints
         self.channels_last = settings.channels_last
         self.global_batch_size = global_batch_size
         self.seed = seed
@@ -139,7 +138,7 @@ class Trainer:
                 is_best = state.best_metric is None or self.improved(metric, state.best_metric)
                 if is_best:
                     state.best_metric = metric
-                self._save_checkpoint(model, optimizer, scheduler, state, val_metrics, is_best)
+                self.save_checkpoint(model, optimizer, scheduler, state, val_metrics, is_best=is_best)
                 if self.stop_signum:
                     log.info("stopping after epoch %d", state.epoch)
                     raise Interrupted(self.stop_signum, f"after epoch {state.epoch}: {self._resume_hint()}")
@@ -148,13 +147,7 @@ class Trainer:
         wall_time_s = time.perf_counter() - start
         return {**self._summary(val_metrics, state), "train/loss": train_loss, "wall_time_s": wall_time_s}
 
-    def validate(self, model: nn.Module, val_loader: DataLoader, state: TrainState) -> dict[str, Any]:
-        """mode=eval: the metrics of the weights as they are, with the checkpoint's epoch and step."""
-        start = time.perf_counter()
-        metrics = self.evaluate(model, val_loader)
-        return {**self._summary(metrics, state), "wall_time_s": time.perf_counter() - start}
-
-    def _save_checkpoint(
+    def save_checkpoint(
         self,
         model: nn.Module,
         optimizer: Optimizer,
@@ -163,12 +156,25 @@ class Trainer:
         val_metrics: dict[str, float],
         is_best: bool,
     ) -> None:
-        # Built only if written: ranks other than 0 have a null writer and skip the state_dict copies.
-        make_state = partial(
-            checkpoint_state, self.strategy.unwrap(model), optimizer, scheduler, self.precision, state,
-            val_metrics, self.config,
-        )  # fmt: skip
+        """The one place a checkpoint is made; called on every rank.
+
+        The strategy decides what that costs each rank: single and DDP build the state only where it is written
+        (rank 0; the others have a null writer), FSDP gathers the shards on every rank (a collective).
+        """
+        if not self.save_checkpoints:
+            return  # not even FSDP's gather
+        state_dicts = self.strategy.state_dicts(model, optimizer)
+
+        def make_state() -> dict[str, Any]:
+            return checkpoint_state(*state_dicts(), scheduler, self.precision, state, val_metrics, self.config)
+
         self.writer.save_checkpoint(make_state, is_best=is_best)
+
+    def validate(self, model: nn.Module, val_loader: DataLoader, state: TrainState) -> dict[str, Any]:
+        """mode=eval: the metrics of the weights as they are, with the checkpoint's epoch and step."""
+        start = time.perf_counter()
+        metrics = self.evaluate(model, val_loader)
+        return {**self._summary(metrics, state), "wall_time_s": time.perf_counter() - start}
 
     def _resume_hint(self) -> str:
         if not self.save_checkpoints:
@@ -236,7 +242,7 @@ class Trainer:
         steps: int,
     ) -> None:
         state.epoch_loss_sum = self._global_mean(epoch_loss, 1)  # every rank's sum, over the world size
-        self._save_checkpoint(model, optimizer, scheduler, state, {}, is_best=False)
+        self.save_checkpoint(model, optimizer, scheduler, state, {}, is_best=False)
         where = f"after step {state.global_step} (epoch {state.epoch + 1}, step {state.epoch_step} of {steps})"
         log.info("stopping %s", where)  # the launcher of spawned ranks reports only the signal
         raise Interrupted(self.stop_signum, f"{where}: {self._resume_hint()}")
@@ -258,7 +264,8 @@ class Trainer:
                 self.precision.backward(loss / n if n > 1 else loss)
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
         if self.grad_clip_norm is not None:
-            # DDP has averaged the gradients by now, so every rank clips by the same global norm.
+            # DDP has averaged the gradients by now, so every rank clips by the same global norm. Under FSDP each
+            # rank holds a shard (DTensor) of them, and clip_grad_norm_ takes the norm over all shards.
             self.precision.unscale_(optimizer)
             nn.utils.clip_grad_norm_(model.parameters(), self.grad_clip_norm)
         self.precision.step(optimizer)
@@ -333,7 +340,8 @@ class Trainer:
         module.eval()
         device = self.strategy.device
         totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
-        for inputs, targets in itertools.islice(loader, self.limit_val_batches):
+        batches = itertools.islice(loader, self.limit_val_batches)
+        for inputs, targets in self.strategy.eval_batches(batches, batches_per_epoch(loader, self.limit_val_batches)):
             inputs = inputs.to(device, non_blocking=True)
             targets = targets.to(device, non_blocking=True)
             if self.channels_last and inputs.ndim == 4:

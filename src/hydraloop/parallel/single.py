@@ -1,9 +1,10 @@
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
+from torch.optim import Optimizer
 
 from hydraloop.errors import ConfigError
 
@@ -66,6 +67,25 @@ class SingleDevice:
     def eval_module(self, model: nn.Module) -> nn.Module:
         """The module to evaluate with: the wrapped one, unless the wrapper communicates in forward."""
         return model
+
+    def eval_batches(self, batches: Iterable[tuple[Tensor, Tensor]], count: int) -> Iterable[tuple[Tensor, Tensor]]:
+        """This rank's `count` validation batches, as the loop evaluates them: here, as they come."""
+        return batches
+
+    def state_dicts(self, model: nn.Module, optimizer: Optimizer) -> Callable[[], tuple[dict, dict]]:
+        """The model's and optimizer's state for a checkpoint, as a plain model and optimizer hold it.
+
+        A function, called only where a checkpoint is written (rank 0), so other ranks copy nothing.
+        """
+        return lambda: (self.unwrap(model).state_dict(), optimizer.state_dict())
+
+    def load_model_state(self, model: nn.Module, state: dict[str, Any]) -> None:
+        """Loads a checkpoint's `model` (a plain model's state_dict) into the wrapped model; on every rank."""
+        self.unwrap(model).load_state_dict(state)
+
+    def load_optimizer_state(self, model: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:
+        """Loads a checkpoint's `optimizer` (a plain optimizer's state_dict); on every rank."""
+        optimizer.load_state_dict(state)
 
     def all_reduce(self, tensor: Tensor) -> Tensor:
         """Sums `tensor` over ranks, in place; returns it."""

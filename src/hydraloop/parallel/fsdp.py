@@ -1,0 +1,143 @@
+"""`parallel=fsdp`: fully sharded data parallel (FSDP2). DDP's launch and process group, a different wrapper, and
+checkpoints that gather the shards into the plain model's and optimizer's state, so that every strategy resumes
+from them."""
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.optim import Optimizer
+
+from hydraloop.errors import ConfigError
+from hydraloop.parallel.ddp import DDPStrategy
+
+DTYPES = {None: None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class FSDPStrategy(DDPStrategy):
+    """Fully sharded data parallel (FSDP2, `torch.distributed.fsdp.fully_shard`), one process per device.
+
+    Each rank keeps 1/N of every parameter, gradient and optimizer state. Every module whose class name is in
+    `shard_modules` is one FSDP unit: its parameters are all-gathered just before its forward (and backward) and
+    freed after; the root unit holds the parameters no unit below it took. Gradients are reduce-scattered, so the
+    optimizer steps on its shard only. Launching, the process group and metric reductions are DDP's.
+    """
+
+    def __init__(
+        self,
+        device: str = "auto",
+        nproc_per_node: int | None = None,
+        backend: str | None = None,
+        timeout_s: float = 300.0,
+        max_restarts: int = 0,
+        shutdown_timeout_s: float = 60.0,
+        shard_modules: Sequence[str] | None = ("Linear",),
+        reshard_after_forward: bool = True,
+        param_dtype: str | None = None,
+        reduce_dtype: str | None = None,
+    ) -> None:
+        super().__init__(
+            device, nproc_per_node, backend, timeout_s, max_restarts=max_restarts, shutdown_timeout_s=shutdown_timeout_s
+        )
+        self.shard_modules = list(shard_modules or [])
+        self.reshard_after_forward = reshard_after_forward
+        self.mp_policy = MixedPrecisionPolicy(
+            param_dtype=_dtype("param_dtype", param_dtype), reduce_dtype=_dtype("reduce_dtype", reduce_dtype)
+        )
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        model = model.to(self.device)
+        found = {type(module).__name__ for module in model.modules()}
+        unmatched = [name for name in self.shard_modules if name not in found]
+        if unmatched:
+            raise ConfigError(
+                f"parallel.shard_modules={self.shard_modules}: {', '.join(unmatched)} matches no module of "
+                f"{type(model).__name__} (it has {', '.join(sorted(found))})"
+            )
+        options = dict(reshard_after_forward=self.reshard_after_forward, mp_policy=self.mp_policy)
+        # fully_shard goes bottom-up (a unit takes the parameters no unit below it took); reversed pre-order
+        # visits every module after all of its descendants.
+        for module in reversed(list(model.modules())):
+            if module is not model and type(module).__name__ in self.shard_modules:
+                fully_shard(module, **options)
+        return fully_shard(model, **options)
+
+    @contextmanager
+    def no_sync(self, model: FSDPModule) -> Iterator[None]:
+        # FSDP2's counterpart of DDP's no_sync: gradients accumulate unsharded, without a reduce-scatter.
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    def eval_module(self, model: nn.Module) -> nn.Module:
+        return model  # unlike DDP, no plain module to fall back on: each rank holds only shards (see eval_batches)
+
+    def eval_batches(self, batches: Iterable[tuple[Tensor, Tensor]], count: int) -> Iterator[tuple[Tensor, Tensor]]:
+        """Every forward pass all-gathers, so every rank must run as many as the others. The validation shards
+        may differ by one sample, and so by one batch: a rank with fewer batches runs the missing passes on an
+        empty batch, which adds nothing to the metrics."""
+        counts = torch.zeros(self.world_size, device=self.device)
+        counts[self.rank] = count
+        counts = self.all_reduce(counts)
+        most = int(counts.max())
+        if most > 0 and not bool(counts.all()):
+            raise ConfigError(f"parallel=fsdp: the validation set has fewer samples than the {self.world_size} ranks")
+        batch = None
+        for batch in batches:
+            yield batch
+        for _ in range(most - count):
+            yield tuple(tensor[:0] for tensor in batch)
+
+    def state_dicts(self, model: nn.Module, optimizer: Optimizer) -> Callable[[], tuple[dict, dict]]:
+        # Gathering the full tensors is a collective that every rank joins, now; only rank 0 receives them, on
+        # the CPU. The optimizer's state comes keyed by parameter name; a checkpoint keys it like a plain
+        # optimizer, by position, so that any strategy resumes from it.
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state = get_model_state_dict(model, options=options)
+        optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
+        return lambda: (model_state, _keyed_by_position(optimizer_state))
+
+    def load_model_state(self, model: nn.Module, state: dict[str, Any]) -> None:
+        # Every rank read the full state; each keeps its own shard of it.
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+
+    def load_optimizer_state(self, model: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:
+        # The checkpoint keys parameters by position in the optimizer's groups; FSDP's loader wants their names.
+        name_of = {param: name for name, param in model.named_parameters()}
+        names = [name_of[param] for group in optimizer.param_groups for param in group["params"]]
+        set_optimizer_state_dict(
+            model, optimizer, _rekeyed(state, names), options=StateDictOptions(full_state_dict=True)
+        )
+
+
+def _dtype(key: str, name: str | None) -> torch.dtype | None:
+    if name not in DTYPES:
+        raise ConfigError(f"parallel.{key}={name}: must be null, float32 or bfloat16")
+    return DTYPES[name]
+
+
+def _keyed_by_position(state: dict[str, Any]) -> dict[str, Any]:
+    """A full optimizer state keyed by parameter name -> `Optimizer.state_dict()`'s format, keyed by the
+    parameter's position in the optimizer's groups (counted across groups)."""
+    names = [name for group in state["param_groups"] for name in group["params"]]
+    return _rekeyed(state, {name: position for position, name in enumerate(names)})
+
+
+def _rekeyed(state: dict[str, Any], new_key: dict | list) -> dict[str, Any]:
+    """An optimizer state with every parameter key (in `state` and in each group's `params`) k -> new_key[k]."""
+    return {
+        "state": {new_key[k]: value for k, value in state["state"].items()},
+        "param_groups": [{**group, "params": [new_key[k] for k in group["params"]]} for group in state["param_groups"]],
+    }
