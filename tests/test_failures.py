@@ -1,8 +1,11 @@
 """A failing or hanging rank ends the whole job with a non-zero exit, its error in the log, and no hang."""
 
+import math
 import time
 
 import pytest
+
+from conftest import max_param_diff
 
 pytestmark = pytest.mark.slow
 
@@ -87,3 +90,25 @@ def test_nonfinite_loss_stops_the_run_naming_the_step(run_train, parallel, fail_
     else:
         assert not (run.run_dir / "checkpoints").exists()
     assert not (run.run_dir / "metrics.json").exists()
+
+
+def test_nonfinite_loss_can_skip_the_step_instead(run_train):
+    """trainer.nonfinite_loss=skip: a NaN on rank 1 at step 5 makes every rank drop that update, and the run ends
+    where a single-process run that dropped the same update ends."""
+    common = (
+        "model._target_=tests.faults.NaNMLP",
+        "+model.fail_at_step=5",
+        "trainer.max_epochs=2",
+        "trainer.nonfinite_loss=skip",
+        "logger=none",
+    )
+    ddp = run_train("parallel=ddp", "+model.fail_rank=1", *common, timeout=120)
+    single = run_train("+model.fail_rank=0", *common)
+    assert ddp.returncode == 0, ddp.output
+    assert single.returncode == 0, single.output
+    assert "non-finite loss on 1 rank(s): update skipped" in ddp.log
+    assert ddp.metrics["skipped_steps"] == single.metrics["skipped_steps"] == 1
+    assert ddp.metrics["global_step"] == 44  # a skipped step is still a step: the schedule does not shift
+    assert math.isfinite(ddp.metrics["train/loss"])
+    assert ddp.metrics["train/loss"] == pytest.approx(single.metrics["train/loss"], rel=1e-5)
+    assert max_param_diff(ddp.checkpoint()["model"], single.checkpoint()["model"]) < 1e-5

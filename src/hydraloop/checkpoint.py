@@ -1,14 +1,14 @@
 """Checkpoints: one dict, loadable with torch.load(weights_only=True), written atomically.
 
-Keys: model (state_dict of the unwrapped model), optimizer, scheduler, epoch (completed epochs), global_step,
-epoch_step and epoch_loss_sum (progress into an unfinished epoch, for a checkpoint a stop signal asked for),
-best_metric, grad_scaler (fp16 loss scale), metrics (the validation metrics when saved; empty mid-epoch), rng
-(torch, cuda, numpy, python) and config (resolved).
+Keys: model (state_dict of the unwrapped model), optimizer, scheduler, the fields of TrainState (epoch: completed
+epochs, global_step, best_metric, skipped_steps, and epoch_step, epoch_loss_sum, epoch_skipped: progress into an
+unfinished epoch, for a checkpoint a stop signal asked for), grad_scaler (fp16 loss scale), metrics (the validation
+metrics when saved; empty mid-epoch), rng (torch, cuda, numpy, python) and config (resolved).
 """
 
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,14 @@ class TrainState:
     """Completed steps of the unfinished epoch `epoch + 1` (non-zero only in a mid-epoch checkpoint)."""
     epoch_loss_sum: float = 0.0
     """Sum of those steps' global train losses, so the resumed epoch reports the uninterrupted epoch's mean."""
+    epoch_skipped: int = 0
+    """Steps of the unfinished epoch whose update was skipped for a non-finite loss (not in epoch_loss_sum)."""
+    skipped_steps: int = 0
+    """Skipped steps over the whole run (trainer.nonfinite_loss=skip)."""
     best_metric: float | None = None
+
+    def next_epoch(self) -> None:
+        self.epoch, self.epoch_step, self.epoch_loss_sum, self.epoch_skipped = self.epoch + 1, 0, 0.0, 0
 
 
 def save_atomic(obj: Any, path: Path) -> None:
@@ -117,11 +124,7 @@ def checkpoint_state(
         "model": model_state,
         "optimizer": optimizer_state,
         "scheduler": scheduler.state_dict(),
-        "epoch": state.epoch,
-        "global_step": state.global_step,
-        "epoch_step": state.epoch_step,
-        "epoch_loss_sum": state.epoch_loss_sum,
-        "best_metric": state.best_metric,
+        **asdict(state),
         "grad_scaler": precision.state_dict(),
         "metrics": metrics,
         "rng": rng_state(),
@@ -142,13 +145,7 @@ def resume(
     `model_only` (evaluation), the weights alone. Every rank reads the file."""
     checkpoint = load_checkpoint(path, map_location=strategy.device)
     strategy.load_model_state(model, checkpoint["model"])
-    state = TrainState(
-        checkpoint["epoch"],
-        checkpoint["global_step"],
-        checkpoint.get("epoch_step", 0),
-        checkpoint.get("epoch_loss_sum", 0.0),
-        checkpoint.get("best_metric"),
-    )
+    state = TrainState(**{field.name: checkpoint.get(field.name, field.default) for field in fields(TrainState)})
     if model_only:
         return state
     strategy.load_optimizer_state(model, optimizer, checkpoint["optimizer"])

@@ -55,6 +55,10 @@ class TrainerConfig:
     """Let cuDNN time its kernels for each input shape and keep the fastest (off in deterministic mode)."""
     channels_last: bool = False
     """Store 2-D conv nets and their 4-D inputs channels-last, the layout tensor cores prefer."""
+    nonfinite_loss: str = "stop"
+    """A NaN or infinite loss. stop: end the run at the next logging step, naming the step and rank (free per step).
+    skip: every rank drops that step's update (a collective and a host sync per step to decide); a logging interval
+    of nothing but skipped steps still ends the run."""
     profile: bool = False
     """torch.profiler over steps 2-5 of the run (rank 0); the trace goes to tensorboard/profiler/."""
 
@@ -240,6 +244,8 @@ def check_config(cfg: Any, world_size: int) -> None:
         f"trainer.grad_accum_steps={accum}: data.batch_size={batch_size} does not split into {world_size} rank(s) "
         f"x {accum} equal micro-batches",
     )
+    nonfinite = cfg.trainer.nonfinite_loss
+    _require(nonfinite in ("stop", "skip"), f"trainer.nonfinite_loss={nonfinite}: must be stop or skip")
     precision = str(cfg.trainer.precision)
     _require(precision in PRECISIONS, f"trainer.precision={precision}: must be one of {', '.join(PRECISIONS)}")
     for key in ("limit_train_batches", "limit_val_batches"):

@@ -43,16 +43,23 @@ class Interval:
         self.losses = torch.empty(capacity, device=device)  # kept per step, to name the step of a NaN
         self.first_step = first_step
         self.steps = 0
+        self.skipped = 0
         self.data_wait_s = 0.0
         self.start = time.perf_counter()
 
-    def add(self, loss: Tensor) -> None:
-        self.losses[self.steps] = loss
+    def add(self, loss: Tensor | None) -> None:
+        """None: a step whose update was skipped (trainer.nonfinite_loss=skip); a step, but not in the loss."""
+        self.losses[self.steps] = 0.0 if loss is None else loss
+        self.skipped += loss is None
         self.steps += 1
 
     @property
     def loss_sum(self) -> Tensor:
         return self.losses[: self.steps].sum()
+
+    @property
+    def loss_steps(self) -> int:
+        return self.steps - self.skipped
 
     def first_nonfinite_step(self) -> int:
         """The first step whose loss is NaN or infinite; 0 if none (a host sync: only on the failure path)."""
@@ -84,6 +91,7 @@ class Trainer:
         self.log_every_n_steps = settings.log_every_n_steps
         self.grad_clip_norm = settings.grad_clip_norm
         self.grad_accum_steps = settings.grad_accum_steps
+        self.skip_nonfinite = settings.nonfinite_loss == "skip"
         self.save_checkpoints = settings.save_checkpoints
         self.limit_train_batches = settings.limit_train_batches
         self.limit_val_batches = settings.limit_val_batches
@@ -123,7 +131,7 @@ class Trainer:
                 # A new permutation per epoch, the same on every rank; after a mid-epoch checkpoint, its rest.
                 train_loader.sampler.set_epoch(state.epoch, start_batch=state.epoch_step)
                 train_loss = self.train_epoch(model, optimizer, scheduler, train_loader, state)
-                state.epoch, state.epoch_step, state.epoch_loss_sum = state.epoch + 1, 0, 0.0
+                state.next_epoch()
                 val_metrics = self.evaluate(model, val_loader)
                 self.writer.log_metrics({**val_metrics, "train/epoch_loss": train_loss}, state.global_step)
                 log.info(
@@ -186,6 +194,7 @@ class Trainer:
             **val_metrics,
             "epoch": state.epoch,
             "global_step": state.global_step,
+            "skipped_steps": state.skipped_steps,
             "world_size": self.strategy.world_size,
         }
 
@@ -220,6 +229,9 @@ class Trainer:
             state.global_step += 1
             state.epoch_step += 1
             interval.add(loss)
+            if loss is None:
+                state.epoch_skipped += 1
+                state.skipped_steps += 1
             if state.global_step % self.log_every_n_steps == 0:
                 epoch_loss += interval.loss_sum
                 self._log_interval(interval, scheduler, state)
@@ -228,7 +240,8 @@ class Trainer:
                     self._stop_mid_epoch(model, optimizer, scheduler, state, epoch_loss, steps)
         epoch_loss += interval.loss_sum
         self.progress.update(interval.steps)
-        mean = self._global_mean(epoch_loss, steps)
+        self._check_not_all_skipped(interval)
+        mean = self._global_mean(epoch_loss, steps - state.epoch_skipped)
         self._check_finite(mean, interval, state)  # the steps since the last logging step
         return mean
 
@@ -247,8 +260,9 @@ class Trainer:
         log.info("stopping %s", where)  # the launcher of spawned ranks reports only the signal
         raise Interrupted(self.stop_signum, f"{where}: {self._resume_hint()}")
 
-    def train_step(self, model: nn.Module, optimizer: Optimizer, inputs: Tensor, targets: Tensor) -> Tensor:
-        """One optimizer step over this rank's batch, in `grad_accum_steps` micro-batches; returns the mean loss."""
+    def train_step(self, model: nn.Module, optimizer: Optimizer, inputs: Tensor, targets: Tensor) -> Tensor | None:
+        """One optimizer step over this rank's batch, in `grad_accum_steps` micro-batches; returns the mean loss,
+        or None if the update was skipped for a non-finite loss (trainer.nonfinite_loss=skip)."""
         if self.channels_last and inputs.ndim == 4:
             inputs = inputs.contiguous(memory_format=torch.channels_last)
         optimizer.zero_grad(set_to_none=True)
@@ -263,6 +277,9 @@ class Trainer:
                 # Equal micro-batches: the mean of their means is the batch mean, as without accumulation.
                 self.precision.backward(loss / n if n > 1 else loss)
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+        if self.skip_nonfinite and self._nonfinite_somewhere(loss_sum):
+            optimizer.zero_grad(set_to_none=True)
+            return None
         if self.grad_clip_norm is not None:
             # DDP has averaged the gradients by now, so every rank clips by the same global norm. Under FSDP each
             # rank holds a shard (DTensor) of them, and clip_grad_norm_ takes the norm over all shards.
@@ -271,8 +288,25 @@ class Trainer:
         self.precision.step(optimizer)
         return loss_sum / n if n > 1 else loss_sum
 
+    def _nonfinite_somewhere(self, loss: Tensor) -> bool:
+        """Whether any rank's loss is NaN or infinite: every rank then skips the update together. A collective and
+        a host sync per step, the price of deciding before the optimizer steps."""
+        bad_ranks = self.strategy.all_reduce((~torch.isfinite(loss)).float().reshape(1)).item()
+        if bad_ranks:
+            log.info("non-finite loss on %d rank(s): update skipped (trainer.nonfinite_loss=skip)", bad_ranks)
+        return bool(bad_ranks)
+
+    def _check_not_all_skipped(self, interval: Interval) -> None:
+        """Skipping is for the odd bad batch; an interval with nothing but skipped steps has diverged."""
+        if interval.steps and interval.skipped == interval.steps:
+            raise TrainingDiverged(
+                f"train/loss was non-finite at every step from {interval.first_step} to "
+                f"{interval.first_step + interval.steps - 1}, all skipped (trainer.nonfinite_loss=skip)"
+            )
+
     def _log_interval(self, interval: "Interval", scheduler: LRScheduler, state: TrainState) -> None:
-        loss = self._global_mean(interval.loss_sum, interval.steps)  # the sync point: the device has caught up
+        self._check_not_all_skipped(interval)
+        loss = self._global_mean(interval.loss_sum, interval.loss_steps)  # the sync point: the device caught up
         self._check_finite(loss, interval, state)
         seconds = time.perf_counter() - interval.start
         samples_per_sec = interval.steps * self.global_batch_size / seconds
