@@ -66,13 +66,17 @@ def run_train(train_env, tmp_path_factory):
     return run
 
 
-def torchrun_command(*overrides: str, launcher_args: tuple[str, ...] = ("--standalone", "--nproc_per_node=2")):
-    """`torchrun LAUNCHER_ARGS src/train.py parallel=ddp OVERRIDES`: every process is a rank."""
-    return [sys.executable, "-m", "torch.distributed.run", *launcher_args, str(TRAIN), "parallel=ddp", *overrides]
+def torchrun_command(
+    *overrides: str, launcher_args: tuple[str, ...] = ("--standalone", "--nproc_per_node=2"), parallel: str = "ddp"
+) -> list[str]:
+    """`torchrun LAUNCHER_ARGS src/train.py parallel=PARALLEL OVERRIDES`: every process is a rank."""
+    command = [sys.executable, "-m", "torch.distributed.run", *launcher_args, str(TRAIN), f"parallel={parallel}"]
+    return [*command, *overrides]
 
 
-def torchrun_train(*overrides: str, env: dict, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    return subprocess.run(torchrun_command(*overrides), cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
+def torchrun_train(*overrides: str, env: dict, cwd: Path = REPO, parallel: str = "ddp") -> subprocess.CompletedProcess:
+    command = torchrun_command(*overrides, parallel=parallel)
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
 
 
 def free_port() -> int:

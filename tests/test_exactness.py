@@ -68,10 +68,11 @@ def test_ddp_matches_single_with_cnn_sgd_cosine_and_clipping(run_train):
     assert ddp.metrics["val/acc"] == single.metrics["val/acc"]
 
 
-def test_ddp_joins_an_outside_launchers_group(tmp_path, train_env, single_2_epochs):
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_joining_an_outside_launchers_group(tmp_path, train_env, single_2_epochs, parallel):
     """Under torchrun (RANK / WORLD_SIZE / LOCAL_RANK set) each process is a rank: nothing is spawned."""
     run_dir = tmp_path / "run"
-    proc = torchrun_train("trainer.max_epochs=2", f"hydra.run.dir={run_dir}", env=train_env)
+    proc = torchrun_train("trainer.max_epochs=2", f"hydra.run.dir={run_dir}", env=train_env, parallel=parallel)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["world_size"] == 2

@@ -133,4 +133,5 @@ def test_torchrun_makes_exactly_one_run_directory(tmp_path, train_env):
     run_dirs = [p for p in (tmp_path / "outputs").glob("*/*") if p.is_dir()]
     assert len(run_dirs) == 1
     assert (run_dirs[0] / ".hydra" / "config.yaml").is_file()  # Hydra's own record, from rank 0
+    assert (run_dirs[0] / "train.log").read_text().count("run directory:") == 1  # every rank ran main; one logged
     assert json.loads((run_dirs[0] / "metrics.json").read_text())["world_size"] == 2
