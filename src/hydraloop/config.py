@@ -197,8 +197,12 @@ def shared_run_path() -> str:
 
 def rank_zero_only(value: Any) -> Any:
     """`value` in rank 0 (or a process that is not a rank), null elsewhere: for Hydra's `.hydra/` subfolder, which
-    every torchrun rank would otherwise write into the shared run folder."""
-    return value if int(os.environ.get("RANK", "0")) == 0 else None
+    every rank would otherwise write into the shared run folder. Hydra resolves it before `main` runs, so before
+    hydraloop.parallel.cluster sets RANK in a submitit task: there the task's own rank variables tell."""
+    for key in ("RANK", "SLURM_PROCID", "SUBMITIT_LOCAL_GLOBALID"):
+        if key in os.environ:
+            return value if os.environ[key] == "0" else None
+    return value
 
 
 def register_configs() -> None:
