@@ -19,7 +19,8 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from hydraloop.checkpoint import TrainState, checkpoint_state
-from hydraloop.errors import Interrupted, TrainingDiverged
+from hydraloop.errors import Interrupted
+from hydraloop.losses import Interval, check_finite, check_not_all_skipped, nonfinite_on_any_rank
 from hydraloop.parallel.single import SingleDevice
 from hydraloop.precision import Precision
 from hydraloop.preemption import STOP_SIGNALS, StopRequest
@@ -34,37 +35,6 @@ def batches_per_epoch(loader: DataLoader, limit: int | None, skipped: int = 0) -
     """Steps in a whole epoch; `skipped`: batches the loader leaves out of this one (see ResumableSampler)."""
     full = len(loader) + skipped
     return min(full, limit or full)
-
-
-class Interval:
-    """What the loop accumulates between two logging steps. The losses stay on the device until then."""
-
-    def __init__(self, device: torch.device, capacity: int, first_step: int) -> None:
-        self.losses = torch.empty(capacity, device=device)  # kept per step, to name the step of a NaN
-        self.first_step = first_step
-        self.steps = 0
-        self.skipped = 0
-        self.data_wait_s = 0.0
-        self.start = time.perf_counter()
-
-    def add(self, loss: Tensor | None) -> None:
-        """None: a step whose update was skipped (trainer.nonfinite_loss=skip); a step, but not in the loss."""
-        self.losses[self.steps] = 0.0 if loss is None else loss
-        self.skipped += loss is None
-        self.steps += 1
-
-    @property
-    def loss_sum(self) -> Tensor:
-        return self.losses[: self.steps].sum()
-
-    @property
-    def loss_steps(self) -> int:
-        return self.steps - self.skipped
-
-    def first_nonfinite_step(self) -> int:
-        """The first step whose loss is NaN or infinite; 0 if none (a host sync: only on the failure path)."""
-        bad = (~torch.isfinite(self.losses[: self.steps])).nonzero()
-        return self.first_step + int(bad[0]) if len(bad) else 0
 
 
 class Trainer:
@@ -240,9 +210,9 @@ class Trainer:
                     self._stop_mid_epoch(model, optimizer, scheduler, state, epoch_loss, steps)
         epoch_loss += interval.loss_sum
         self.progress.update(interval.steps)
-        self._check_not_all_skipped(interval)
+        check_not_all_skipped(interval)
         mean = self._global_mean(epoch_loss, steps - state.epoch_skipped)
-        self._check_finite(mean, interval, state)  # the steps since the last logging step
+        check_finite(mean, interval, state.epoch, self.strategy)  # the steps since the last logging step
         return mean
 
     def _stop_mid_epoch(
@@ -277,7 +247,7 @@ class Trainer:
                 # Equal micro-batches: the mean of their means is the batch mean, as without accumulation.
                 self.precision.backward(loss / n if n > 1 else loss)
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-        if self.skip_nonfinite and self._nonfinite_somewhere(loss_sum):
+        if self.skip_nonfinite and nonfinite_on_any_rank(loss_sum, self.strategy):
             optimizer.zero_grad(set_to_none=True)
             return None
         if self.grad_clip_norm is not None:
@@ -288,26 +258,10 @@ class Trainer:
         self.precision.step(optimizer)
         return loss_sum / n if n > 1 else loss_sum
 
-    def _nonfinite_somewhere(self, loss: Tensor) -> bool:
-        """Whether any rank's loss is NaN or infinite: every rank then skips the update together. A collective and
-        a host sync per step, the price of deciding before the optimizer steps."""
-        bad_ranks = self.strategy.all_reduce((~torch.isfinite(loss)).float().reshape(1)).item()
-        if bad_ranks:
-            log.info("non-finite loss on %d rank(s): update skipped (trainer.nonfinite_loss=skip)", bad_ranks)
-        return bool(bad_ranks)
-
-    def _check_not_all_skipped(self, interval: Interval) -> None:
-        """Skipping is for the odd bad batch; an interval with nothing but skipped steps has diverged."""
-        if interval.steps and interval.skipped == interval.steps:
-            raise TrainingDiverged(
-                f"train/loss was non-finite at every step from {interval.first_step} to "
-                f"{interval.first_step + interval.steps - 1}, all skipped (trainer.nonfinite_loss=skip)"
-            )
-
-    def _log_interval(self, interval: "Interval", scheduler: LRScheduler, state: TrainState) -> None:
-        self._check_not_all_skipped(interval)
+    def _log_interval(self, interval: Interval, scheduler: LRScheduler, state: TrainState) -> None:
+        check_not_all_skipped(interval)
         loss = self._global_mean(interval.loss_sum, interval.loss_steps)  # the sync point: the device caught up
-        self._check_finite(loss, interval, state)
+        check_finite(loss, interval, state.epoch, self.strategy)
         seconds = time.perf_counter() - interval.start
         samples_per_sec = interval.steps * self.global_batch_size / seconds
         metrics = {
@@ -336,23 +290,6 @@ class Trainer:
             metrics["train/lr"],
             samples_per_sec,
             100 * metrics["perf/data_wait_frac"],
-        )
-
-    def _check_finite(self, loss: float, interval: Interval, state: TrainState) -> None:
-        """Stops every rank at once if the interval's global mean loss is NaN or infinite, naming the first bad step.
-
-        A NaN on one rank reaches every rank through the reductions, so all ranks get here together; one more
-        reduction tells them which rank saw it first, and when.
-        """
-        if math.isfinite(loss):
-            return
-        first_bad = torch.zeros(self.strategy.world_size, device=self.strategy.device)
-        first_bad[self.strategy.rank] = interval.first_nonfinite_step()
-        per_rank = self.strategy.all_reduce(first_bad).tolist()
-        step, rank = min((s, r) for r, s in enumerate(per_rank) if s > 0)
-        raise TrainingDiverged(
-            f"train/loss is {loss} at step {int(step)} (epoch {state.epoch + 1}, first on rank {rank}); "
-            f"the last checkpoint holds epoch {state.epoch}"
         )
 
     def _global_mean(self, loss_sum: Tensor, steps: int) -> float:

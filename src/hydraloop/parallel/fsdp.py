@@ -36,19 +36,14 @@ class FSDPStrategy(DDPStrategy):
     def __init__(
         self,
         device: str = "auto",
-        nproc_per_node: int | None = None,
-        backend: str | None = None,
-        timeout_s: float = 300.0,
-        max_restarts: int = 0,
-        shutdown_timeout_s: float = 60.0,
         shard_modules: Sequence[str] | None = ("Linear",),
         reshard_after_forward: bool = True,
         param_dtype: str | None = None,
         reduce_dtype: str | None = None,
+        **process_group: Any,
     ) -> None:
-        super().__init__(
-            device, nproc_per_node, backend, timeout_s, max_restarts=max_restarts, shutdown_timeout_s=shutdown_timeout_s
-        )
+        """`process_group`: how the ranks start, meet and stop, as for DDP (hydraloop.config.ProcessGroupConfig)."""
+        super().__init__(device, **process_group)
         self.shard_modules = list(shard_modules or [])
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = MixedPrecisionPolicy(
