@@ -1,6 +1,8 @@
 """Bad input ends in one clear line naming the key and the value, a non-zero exit, no traceback, and nothing
 half-written in the run directory."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -123,6 +125,22 @@ def test_checkpoint_missing_keys(run_train, tmp_path):
 def test_checkpoint_that_does_not_fit(run_train, checkpoint, override, message):
     run = run_train(f"ckpt_path={checkpoint}", override, "trainer.max_epochs=2")
     assert_rejected(run, f"ckpt_path={checkpoint}", message)
+
+
+def test_run_directory_checkpoint_that_does_not_fit(run_train, checkpoint, tmp_path):
+    """resume=true continues from the run directory's own last.pt; a config it does not fit says so, and how to
+    start over, without touching that checkpoint."""
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    own = run_dir / "checkpoints" / "last.pt"
+    shutil.copy(checkpoint, own)
+    run = run_train("model.hidden_sizes=[32]", run_dir=run_dir)
+    assert run.returncode == BAD_INPUT_EXIT_CODE, run.output
+    errors = [line for line in run.output.splitlines() if "[ERROR]" in line]
+    assert len(errors) == 1 and "Traceback" not in run.output, run.output
+    assert f"resume=true: {own}: does not fit model hydraloop.models.mlp.MLP" in errors[0]
+    assert errors[0].endswith("(resume=false starts the run directory over)")
+    assert own.read_bytes() == checkpoint.read_bytes()
 
 
 # --- Hydra composition ---------------------------------------------------------------------------------------

@@ -87,10 +87,14 @@ def check_resumable(path: str | Path, cfg: Any) -> None:
     The model is built on the meta device: shapes only, no memory, no initialisation cost.
     """
     checkpoint = load_checkpoint(path)
+    # The run directory's own last.pt (resume=true) was not named by the user: say where it came from.
+    own = path != cfg.ckpt_path
+    source = f"resume=true: {path}" if own else f"ckpt_path={path}"
+    hint = " (resume=false starts the run directory over)" if own else ""
     saved_optimizer = checkpoint.get("config", {}).get("optimizer", {}).get("_target_")
     if cfg.mode == "train" and saved_optimizer and saved_optimizer != cfg.optimizer._target_:
         raise ConfigError(
-            f"ckpt_path={path}: holds {saved_optimizer} state, the config asks for {cfg.optimizer._target_}"
+            f"{source}: holds {saved_optimizer} state, the config asks for {cfg.optimizer._target_}{hint}"
         )
     model_cfg = cfg.model
     saved = {name: tuple(tensor.shape) for name, tensor in checkpoint["model"].items()}
@@ -106,7 +110,7 @@ def check_resumable(path: str | Path, cfg: Any) -> None:
     ]
     if problems:
         shown = "; ".join(sorted(problems)[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
-        raise ConfigError(f"ckpt_path={path}: does not fit model {model_cfg._target_} ({shown})")
+        raise ConfigError(f"{source}: does not fit model {model_cfg._target_} ({shown}){hint}")
 
 
 def checkpoint_state(
