@@ -133,6 +133,7 @@ def main(cfg: DictConfig) -> float:
                 "one process: use parallel=ddp, or one task per job"
             )
         check_config(cfg, strategy.world_size)
+        strategy.check(cfg)
         ckpt_path = checkpoint_to_resume(cfg)
         if ckpt_path:
             check_resumable(ckpt_path, cfg)

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from hydra.utils import instantiate
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -50,8 +51,11 @@ class FSDPStrategy(DDPStrategy):
             param_dtype=_dtype("param_dtype", param_dtype), reduce_dtype=_dtype("reduce_dtype", reduce_dtype)
         )
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        model = model.to(self.device)
+    def check(self, cfg: Any) -> None:
+        """Every name in `shard_modules` must match a module of the model, built on the meta device: shapes only,
+        so a typo fails in the launcher, before any rank starts."""
+        with torch.device("meta"):
+            model = instantiate(cfg.model)
         found = {type(module).__name__ for module in model.modules()}
         unmatched = [name for name in self.shard_modules if name not in found]
         if unmatched:
@@ -59,6 +63,9 @@ class FSDPStrategy(DDPStrategy):
                 f"parallel.shard_modules={self.shard_modules}: {', '.join(unmatched)} matches no module of "
                 f"{type(model).__name__} (it has {', '.join(sorted(found))})"
             )
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        model = model.to(self.device)
         options = dict(reshard_after_forward=self.reshard_after_forward, mp_policy=self.mp_policy)
         # fully_shard goes bottom-up (a unit takes the parameters no unit below it took); reversed pre-order
         # visits every module after all of its descendants.

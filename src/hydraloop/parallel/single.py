@@ -43,6 +43,9 @@ class SingleDevice:
     def is_main_process(self) -> bool:
         return self.rank == 0
 
+    def check(self, cfg: Any) -> None:
+        """What this strategy needs of the rest of the config; in the launcher, before any rank starts."""
+
     def launch(self, worker: Callable[..., T], *args) -> T:
         """Runs `worker` in every rank and returns rank 0's result; here, in this process."""
         return worker(*args)
