@@ -124,14 +124,9 @@ def main(cfg: DictConfig) -> float:
         check_required(cfg)  # before resolving, which would fail on a `???` with a traceback
         # Resolved here, where Hydra's resolvers work: worker processes get plain values and never touch Hydra.
         cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True), flags={"struct": True})
-        tasks = export_submitit_rank_env()  # under hydra/launcher=slurm, this process may be one rank of a job
+        export_submitit_rank_env()  # under hydra/launcher=slurm, this process may be one rank of a job
         strategy = instantiate(cfg.parallel, device=cfg.device)
         setup_rank_logging(strategy.rank, cfg.log_file)  # under torchrun or SLURM every rank runs main: log once
-        if tasks > 1 and strategy.world_size != tasks:  # every task would be a rank 0 writing the run directory
-            raise ConfigError(
-                f"hydra.launcher starts {tasks} tasks per job, one rank each, but {type(strategy).__name__} runs "
-                "one process: use parallel=ddp, or one task per job"
-            )
         check_config(cfg, strategy.world_size)
         strategy.check(cfg)
         ckpt_path = checkpoint_to_resume(cfg)

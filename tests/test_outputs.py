@@ -135,3 +135,13 @@ def test_torchrun_makes_exactly_one_run_directory(tmp_path, train_env):
     assert (run_dirs[0] / ".hydra" / "config.yaml").is_file()  # Hydra's own record, from rank 0
     assert (run_dirs[0] / "train.log").read_text().count("run directory:") == 1  # every rank ran main; one logged
     assert json.loads((run_dirs[0] / "metrics.json").read_text())["world_size"] == 2
+
+
+def test_torchrun_with_a_one_process_strategy_is_refused(tmp_path, train_env):
+    """Two processes running parallel=single would be two rank 0s writing one run directory."""
+    proc = torchrun_train("trainer.max_epochs=1", env=train_env, cwd=tmp_path, parallel="single")
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    assert "WORLD_SIZE=2: torchrun or hydra.launcher started 2 processes, one rank each, but SingleDevice" in output
+    assert not list((tmp_path / "outputs").glob("*/*/checkpoints"))
+    assert not list((tmp_path / "outputs").glob("*/*/metrics.json"))

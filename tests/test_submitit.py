@@ -73,7 +73,8 @@ def test_tasks_without_ddp_are_refused(train_in_process, monkeypatch, caplog):
     with pytest.raises(SystemExit) as exit_info:
         train_in_process("parallel=single")
     assert exit_info.value.code == 2
-    assert "2 tasks per job, one rank each, but SingleDevice runs one process" in caplog.text
+    refused = "WORLD_SIZE=2: torchrun or hydra.launcher started 2 processes, one rank each, but SingleDevice"
+    assert refused in caplog.text
 
 
 def sweep_and_jobs(sweep_root: Path) -> tuple[Path, list[Path]]:

@@ -54,6 +54,7 @@ class FSDPStrategy(DDPStrategy):
     def check(self, cfg: Any) -> None:
         """Every name in `shard_modules` must match a module of the model, built on the meta device: shapes only,
         so a typo fails in the launcher, before any rank starts."""
+        super().check(cfg)
         with torch.device("meta"):
             model = instantiate(cfg.model)
         found = {type(module).__name__ for module in model.modules()}

@@ -1,3 +1,4 @@
+import os
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar
@@ -44,7 +45,14 @@ class SingleDevice:
         return self.rank == 0
 
     def check(self, cfg: Any) -> None:
-        """What this strategy needs of the rest of the config; in the launcher, before any rank starts."""
+        """What this strategy needs of the rest of the config and of its launcher; in the launcher, before any rank
+        starts (under torchrun or SLURM, in every rank)."""
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched > 1 and launched != self.world_size:  # each process would be a rank 0 writing the run directory
+            raise ConfigError(
+                f"WORLD_SIZE={launched}: torchrun or hydra.launcher started {launched} processes, one rank each, but "
+                f"{type(self).__name__} runs one: use parallel=ddp or parallel=fsdp, or start one process"
+            )
 
     def launch(self, worker: Callable[..., T], *args) -> T:
         """Runs `worker` in every rank and returns rank 0's result; here, in this process."""
