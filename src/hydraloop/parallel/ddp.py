@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hydraloop.errors import ConfigError, Interrupted, WorkerFailed
 from hydraloop.parallel.single import SingleDevice, resolve_device
+from hydraloop.preemption import STOP_SIGNALS
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -102,7 +103,9 @@ class DDPStrategy(SingleDevice):
         try:
             return elastic_launch(config, worker)(*args)[0]  # {rank: result}; ranks agree, rank 0 speaks
         except SignalException as stop:
-            raise Interrupted(stop.sigval, "(passed on to the ranks, which checkpoint first: see train.log)") from None
+            checkpointed = stop.sigval in STOP_SIGNALS  # not Ctrl-C's SIGINT
+            what = "passed on to the ranks, which checkpoint first: see train.log" if checkpointed else "no checkpoint"
+            raise Interrupted(stop.sigval, f"({what})") from None
         except ChildFailedError as failed:
             rank, failure = failed.get_first_failure()
             message = failure.message.get("message") if isinstance(failure.message, dict) else failure.message
