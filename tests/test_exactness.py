@@ -83,11 +83,15 @@ def test_joining_an_outside_launchers_group(tmp_path, train_env, single_2_epochs
 def test_two_nodes_train_together_into_one_run_directory(tmp_path, train_env, single_2_epochs):
     """Two torchrun agents on one machine, one rank each, meeting at a c10d rendezvous: the multi-node command."""
     rendezvous = ("--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}")
+    # Each simulated node would take every core of this one machine; give each one core, as two real nodes have
+    # their own. A rank that stalls fails its collective after 60 s, with the error in the output.
+    env = {**train_env, "OMP_NUM_THREADS": "1"}
+    overrides = ("trainer.max_epochs=2", "parallel.timeout_s=60")
     nodes = [
         subprocess.Popen(
-            torchrun_command("trainer.max_epochs=2", launcher_args=(*rendezvous, f"--node_rank={node}")),
+            torchrun_command(*overrides, launcher_args=(*rendezvous, f"--node_rank={node}")),
             cwd=tmp_path,
-            env=train_env,
+            env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
