@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from hydraloop.errors import BAD_INPUT_EXIT_CODE
+
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "src" / "train.py"
 
@@ -92,6 +94,15 @@ def wait_for(path: Path, process: subprocess.Popen, timeout: float = 120) -> Non
         assert process.poll() is None, process.communicate()[0]
         assert time.monotonic() < deadline, f"{path} never appeared"
         time.sleep(0.05)
+
+
+def bad_input_line(run: Run) -> str:
+    """The one error line of a run that ended as bad input: exit code 2, no traceback."""
+    assert run.returncode == BAD_INPUT_EXIT_CODE, run.output
+    assert "Traceback" not in run.output, run.output
+    errors = [line for line in run.output.splitlines() if "[ERROR]" in line]
+    assert len(errors) == 1, run.output
+    return errors[0]
 
 
 def max_param_diff(a: dict, b: dict) -> float:

@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from hydraloop.errors import BAD_INPUT_EXIT_CODE
+from conftest import bad_input_line
 
 HYDRA_EXIT_CODE = 1  # Hydra's own composition errors
 HALF_WRITTEN = ("checkpoints", "metrics.json", "tensorboard")
@@ -14,15 +14,12 @@ HALF_WRITTEN = ("checkpoints", "metrics.json", "tensorboard")
 
 def assert_rejected(run, *expected: str) -> str:
     """Our own bad-input exit: returns the one error line, after checking it names everything in `expected`."""
-    assert run.returncode == BAD_INPUT_EXIT_CODE, run.output
-    assert "Traceback" not in run.output, run.output
-    errors = [line for line in run.output.splitlines() if "[ERROR]" in line]
-    assert len(errors) == 1, run.output
+    error = bad_input_line(run)
     for text in expected:
-        assert text in errors[0], errors[0]
+        assert text in error, error
     for name in HALF_WRITTEN:
         assert not (run.run_dir / name).exists(), f"{name} written by a rejected run"
-    return errors[0]
+    return error
 
 
 def assert_rejected_by_hydra(run, *expected: str) -> None:
@@ -134,12 +131,9 @@ def test_run_directory_checkpoint_that_does_not_fit(run_train, checkpoint, tmp_p
     (run_dir / "checkpoints").mkdir(parents=True)
     own = run_dir / "checkpoints" / "last.pt"
     shutil.copy(checkpoint, own)
-    run = run_train("model.hidden_sizes=[32]", run_dir=run_dir)
-    assert run.returncode == BAD_INPUT_EXIT_CODE, run.output
-    errors = [line for line in run.output.splitlines() if "[ERROR]" in line]
-    assert len(errors) == 1 and "Traceback" not in run.output, run.output
-    assert f"resume=true: {own}: does not fit model hydraloop.models.mlp.MLP" in errors[0]
-    assert errors[0].endswith("(resume=false starts the run directory over)")
+    error = bad_input_line(run_train("model.hidden_sizes=[32]", run_dir=run_dir))
+    assert f"resume=true: {own}: does not fit model hydraloop.models.mlp.MLP" in error
+    assert error.endswith("(resume=false starts the run directory over)")
     assert own.read_bytes() == checkpoint.read_bytes()
 
 

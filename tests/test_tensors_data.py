@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import bad_input_line
 from hydraloop.data.tensors import load_tensors
-from hydraloop.errors import BAD_INPUT_EXIT_CODE, ConfigError
+from hydraloop.errors import ConfigError
 
 
 def blobs(n: int = 600, dim: int = 20, classes: int = 3, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -230,11 +231,8 @@ def test_trains_on_a_users_npz(run_train, tmp_path):
 def test_missing_file_through_the_cli(run_train, tmp_path):
     path = tmp_path / "missing.npz"
     run = run_train("data=tensors", f"data.dataset.path={path}", "data.input_shape=[20]", "data.num_classes=3")
-    assert run.returncode == BAD_INPUT_EXIT_CODE, run.output
-    assert "Traceback" not in run.output, run.output
-    errors = [line for line in run.output.splitlines() if "[ERROR]" in line]
-    assert len(errors) == 1, run.output
-    assert errors[0].endswith(f"data.dataset.path={path}: no such file"), errors[0]
+    error = bad_input_line(run)
+    assert error.endswith(f"data.dataset.path={path}: no such file"), error
     assert not (run.run_dir / "metrics.json").exists()
 
 
@@ -250,17 +248,12 @@ def test_bad_labels_under_ddp(run_train, tmp_path):
         "data.num_classes=2",
         "parallel=ddp",
     )
-    assert run.returncode == BAD_INPUT_EXIT_CODE, run.output
-    assert "Traceback" not in run.output, run.output
-    errors = [line for line in run.output.splitlines() if "[ERROR]" in line]
-    assert len(errors) == 1, run.output
-    assert errors[0].endswith("'y' holds labels from 0 to 2, outside [0, data.num_classes=2)"), errors[0]
+    error = bad_input_line(run)
+    assert error.endswith("'y' holds labels from 0 to 2, outside [0, data.num_classes=2)"), error
 
 
 def test_required_keys_through_the_cli(run_train):
     """conf/data/tensors.yaml leaves path, input_shape and num_classes as `???`: forgetting one is bad input too."""
     run = run_train("data=tensors", "data.dataset.path=my.npz", "data.num_classes=3")
-    assert run.returncode == BAD_INPUT_EXIT_CODE, run.output
-    assert "Traceback" not in run.output, run.output
-    errors = [line for line in run.output.splitlines() if "[ERROR]" in line]
-    assert len(errors) == 1 and "data.input_shape: required" in errors[0], run.output
+    error = bad_input_line(run)
+    assert "data.input_shape: required" in error, error
