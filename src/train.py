@@ -1,10 +1,13 @@
 """hydraloop's one entrypoint: `python src/train.py [group=option ...] [key=value ...]`.
 
 Reads top to bottom: `main` runs once, in the launching process (checks the config, starts the ranks); `train`
-runs in every rank (builds data, model, optimizer and run writer from the config, then hands them to the loop).
+runs in every rank (sets up the parallel strategy; `build_and_run` builds data, model, optimizer and run writer from
+the config, then hands them to the loop).
 """
 
+import atexit
 import logging
+import traceback
 
 import hydra
 import torch
@@ -17,6 +20,7 @@ from hydraloop.config import check_config, check_required, register_configs
 from hydraloop.data.loaders import build_loaders
 from hydraloop.errors import ConfigError, Interrupted, TrainingDiverged, exit_on_error, unwrap_instantiation
 from hydraloop.parallel.cluster import export_submitit_rank_env
+from hydraloop.parallel.single import SingleDevice
 from hydraloop.precision import Precision
 from hydraloop.preemption import StopRequest
 from hydraloop.rank_logging import setup_rank_logging
@@ -34,78 +38,12 @@ def train(cfg: DictConfig) -> dict:
     setup_rank_logging(strategy.rank, cfg.log_file)
     try:
         strategy.setup()
-        configure_backends(
-            deterministic=cfg.trainer.deterministic, tf32=cfg.trainer.tf32, cudnn_benchmark=cfg.trainer.cudnn_benchmark
-        )
-        train_set, val_set = instantiate(cfg.data.dataset)
-        train_loader, val_loader = build_loaders(
-            train_set,
-            val_set,
-            global_batch_size=cfg.data.batch_size,
-            global_val_batch_size=cfg.data.val_batch_size or cfg.data.batch_size,
-            rank=strategy.rank,
-            world_size=strategy.world_size,
-            seed=cfg.seed,
-            num_workers=cfg.data.num_workers,
-            drop_last=cfg.data.drop_last,
-            shuffle=cfg.data.shuffle,
-            device=strategy.device,
-            on_device=cfg.data.on_device,
-            prefetch_factor=cfg.data.prefetch_factor,
-        )
-
-        seed_everything(cfg.seed)  # the same on every rank: DDP starts from the weights single-process starts from
-        model = instantiate(cfg.model)
-        if cfg.trainer.channels_last:
-            model = model.to(memory_format=torch.channels_last)
-        if cfg.trainer.compile:
-            model.compile()  # in place: no wrapper, so checkpoint keys stay those of the plain model
-        model = strategy.wrap(model)
-        optimizer = instantiate(cfg.optimizer)(model.parameters())
-        steps_per_epoch = batches_per_epoch(train_loader, cfg.trainer.limit_train_batches)
-        scheduler = instantiate(cfg.scheduler)(
-            optimizer, total_steps=steps_per_epoch * cfg.trainer.max_epochs, steps_per_epoch=steps_per_epoch
-        )
-        precision = Precision(cfg.trainer.precision, strategy.device)
-        state = TrainState()
-        ckpt_path = checkpoint_to_resume(cfg)  # per rank, per start: a restarted rank finds the latest checkpoint
-        if ckpt_path:
-            state = resume(ckpt_path, strategy, model, optimizer, scheduler, precision, model_only=cfg.mode == "eval")
-            log.info("loaded %s: epoch %d, step %d", ckpt_path, state.epoch, state.global_step)
-
-        config = OmegaConf.to_container(cfg, resolve=True)
-        writer = (
-            RunWriter(
-                cfg.output_dir,
-                instantiate(cfg.logger, log_dir=f"{cfg.output_dir}/tensorboard"),
-                config,
-                save_checkpoints=cfg.trainer.save_checkpoints and cfg.mode == "train",
-                profile=cfg.trainer.profile,
-            )
-            if strategy.is_main_process
-            else NullRunWriter()
-        )
-        stop_request = StopRequest()
-        trainer = Trainer(
-            strategy,
-            writer,
-            precision,
-            cfg.trainer,
-            global_batch_size=cfg.data.batch_size,
-            seed=cfg.seed,
-            optimized_metric=cfg.optimized_metric,
-            optimized_metric_mode=cfg.optimized_metric_mode,
-            config=config,
-            stop_request=stop_request,
-        )
-        if cfg.mode == "eval":
-            metrics = trainer.validate(model, val_loader, state)
-        else:
-            with stop_request:  # SIGTERM / SIGUSR1: checkpoint at the next logging step, then stop
-                metrics = trainer.fit(model, optimizer, scheduler, train_loader, val_loader, state)
-        writer.finish(metrics)
-        return metrics
+        metrics = build_and_run(cfg, strategy)
     except Exception as error:
+        # The process group is torn down at exit, once the launcher has this rank's error on record: the other ranks'
+        # collectives fail only then, so the launcher names this rank, not one of them, as the first to fail.
+        traceback.clear_frames(error.__traceback__)  # frees what build_and_run made first (see there)
+        atexit.register(strategy.teardown)
         # Bad input (also when a data set or model constructor rejected its arguments), a diverged loss and a stop
         # signal: the launcher reports them as one line. Anything else is a failure, logged with its traceback.
         cause = unwrap_instantiation(error)
@@ -113,8 +51,88 @@ def train(cfg: DictConfig) -> dict:
             raise cause from None
         log.exception("training failed")
         raise
-    finally:
-        strategy.teardown()
+    strategy.teardown()
+    return metrics
+
+
+def build_and_run(cfg: DictConfig, strategy: SingleDevice) -> dict:
+    """Builds data, model, optimizer and run writer from the config, then trains or evaluates.
+
+    A function of its own so that all it builds is freed on return, while the process group still exists. A DDP
+    reducer holds the group; were it the group's last owner, its destructor would join gloo's threads while holding
+    the GIL, and a gloo thread still freeing the last collective's tensor needs the GIL: a deadlock (torch 2.13).
+    """
+    configure_backends(
+        deterministic=cfg.trainer.deterministic, tf32=cfg.trainer.tf32, cudnn_benchmark=cfg.trainer.cudnn_benchmark
+    )
+    train_set, val_set = instantiate(cfg.data.dataset)
+    train_loader, val_loader = build_loaders(
+        train_set,
+        val_set,
+        global_batch_size=cfg.data.batch_size,
+        global_val_batch_size=cfg.data.val_batch_size or cfg.data.batch_size,
+        rank=strategy.rank,
+        world_size=strategy.world_size,
+        seed=cfg.seed,
+        num_workers=cfg.data.num_workers,
+        drop_last=cfg.data.drop_last,
+        shuffle=cfg.data.shuffle,
+        device=strategy.device,
+        on_device=cfg.data.on_device,
+        prefetch_factor=cfg.data.prefetch_factor,
+    )
+
+    seed_everything(cfg.seed)  # the same on every rank: DDP starts from the weights single-process starts from
+    model = instantiate(cfg.model)
+    if cfg.trainer.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    if cfg.trainer.compile:
+        model.compile()  # in place: no wrapper, so checkpoint keys stay those of the plain model
+    model = strategy.wrap(model)
+    optimizer = instantiate(cfg.optimizer)(model.parameters())
+    steps_per_epoch = batches_per_epoch(train_loader, cfg.trainer.limit_train_batches)
+    scheduler = instantiate(cfg.scheduler)(
+        optimizer, total_steps=steps_per_epoch * cfg.trainer.max_epochs, steps_per_epoch=steps_per_epoch
+    )
+    precision = Precision(cfg.trainer.precision, strategy.device)
+    state = TrainState()
+    ckpt_path = checkpoint_to_resume(cfg)  # per rank, per start: a restarted rank finds the latest checkpoint
+    if ckpt_path:
+        state = resume(ckpt_path, strategy, model, optimizer, scheduler, precision, model_only=cfg.mode == "eval")
+        log.info("loaded %s: epoch %d, step %d", ckpt_path, state.epoch, state.global_step)
+
+    config = OmegaConf.to_container(cfg, resolve=True)
+    writer = (
+        RunWriter(
+            cfg.output_dir,
+            instantiate(cfg.logger, log_dir=f"{cfg.output_dir}/tensorboard"),
+            config,
+            save_checkpoints=cfg.trainer.save_checkpoints and cfg.mode == "train",
+            profile=cfg.trainer.profile,
+        )
+        if strategy.is_main_process
+        else NullRunWriter()
+    )
+    stop_request = StopRequest()
+    trainer = Trainer(
+        strategy,
+        writer,
+        precision,
+        cfg.trainer,
+        global_batch_size=cfg.data.batch_size,
+        seed=cfg.seed,
+        optimized_metric=cfg.optimized_metric,
+        optimized_metric_mode=cfg.optimized_metric_mode,
+        config=config,
+        stop_request=stop_request,
+    )
+    if cfg.mode == "eval":
+        metrics = trainer.validate(model, val_loader, state)
+    else:
+        with stop_request:  # SIGTERM / SIGUSR1: checkpoint at the next logging step, then stop
+            metrics = trainer.fit(model, optimizer, scheduler, train_loader, val_loader, state)
+    writer.finish(metrics)
+    return metrics
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")

@@ -4,13 +4,14 @@ import uuid
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from datetime import timedelta
+from pathlib import Path
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.elastic.multiprocessing import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.nn.parallel import DistributedDataParallel
 
@@ -107,7 +108,7 @@ class DDPStrategy(SingleDevice):
             what = "passed on to the ranks, which checkpoint first: see train.log" if checkpointed else "no checkpoint"
             raise Interrupted(stop.sigval, f"({what})") from None
         except ChildFailedError as failed:
-            rank, failure = failed.get_first_failure()
+            rank, failure = _first_failure(failed)
             message = failure.message.get("message") if isinstance(failure.message, dict) else failure.message
             if str(message).startswith("ConfigError: "):  # bad input only a rank could see, e.g. in a data file
                 raise ConfigError(str(message).removeprefix("ConfigError: ")) from None
@@ -147,6 +148,25 @@ class DDPStrategy(SingleDevice):
     def teardown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _first_failure(failed: ChildFailedError) -> tuple[int, ProcessFailure]:
+    """The rank that failed first, whose error made the others' collectives fail (closed connections).
+
+    The agent reports the first dead process it finds, but the others follow within milliseconds, and when several
+    are gone by its next look it names the lowest rank. Every rank that raised wrote an error file beside the
+    reported one (`attempt_N/<local rank>/error.json`; on one node local rank is rank): the earliest names the
+    rank that failed first. A rank killed by a signal writes none, and its report stands.
+    """
+    rank, failure = failed.get_first_failure()
+    if not os.path.isfile(failure.error_file):
+        return rank, failure
+    written = {path.parent.name: path for path in Path(failure.error_file).parent.parent.glob("*/error.json")}
+    first = min(written, key=lambda name: written[name].stat().st_mtime_ns)
+    if not first.isdigit() or int(first) == rank:
+        return rank, failure
+    # A rank that raised exits with 1 (torch's worker wrapper); its pid is not needed here.
+    return int(first), ProcessFailure(local_rank=int(first), pid=0, exitcode=1, error_file=str(written[first]))
 
 
 def _attempt_store(timeout: timedelta) -> dist.Store | None:
