@@ -5,12 +5,21 @@ runs in every rank (sets up the parallel strategy; `build_and_run` builds data, 
 the config, then hands them to the loop).
 """
 
+import gc
+
+# The imports below create about half a million objects that live as long as the process (torch, Hydra,
+# torch._dynamo). The cyclic collector, triggered by allocation counts, would re-scan them again and again while they
+# are created: pausing it during the imports, then freezing what they made out of later collections, brings the first
+# training step about 1 s sooner (README, benchmark (b)). The run itself collects as usual.
+gc.disable()
+
 import atexit
 import logging
 import traceback
 
 import hydra
 import torch
+import torch._dynamo  # noqa: F401  every torch.optim optimizer imports it in its constructor: import it while paused
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -27,6 +36,9 @@ from hydraloop.rank_logging import setup_rank_logging
 from hydraloop.run_writer import NullRunWriter, RunWriter
 from hydraloop.seeding import seed_everything
 from hydraloop.trainer import Trainer, batches_per_epoch
+
+gc.freeze()
+gc.enable()
 
 log = logging.getLogger("hydraloop.train")
 register_configs()

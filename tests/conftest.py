@@ -115,7 +115,7 @@ def max_param_diff(a: dict, b: dict) -> float:
 def train_in_process(tmp_path, monkeypatch, data_cache):
     """train_in_process(*overrides) -> (metrics, run_dir): src/train.py's task function, called directly.
 
-    For single-process behaviour where a subprocess's 3 s of start-up would dominate.
+    For single-process behaviour where a subprocess's start-up would dominate.
     """
     from hydra import compose, initialize_config_dir
 

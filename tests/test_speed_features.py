@@ -1,12 +1,13 @@
 """The fast paths (issue: speed) change speed, not results: each is compared with the plain run."""
 
+import subprocess
 import sys
 
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import max_param_diff
+from conftest import REPO, max_param_diff
 
 ROUND_OFF = 1e-5
 
@@ -147,3 +148,18 @@ def test_efficiency_metrics_in_tensorboard(train_in_process):
     assert all(0.0 <= frac <= 1.0 for frac in values["perf/data_wait_frac"])
     assert all(ms > 0 for ms in values["perf/step_time_ms"])
     assert "perf/max_memory_gb" not in values  # CUDA only
+
+
+def test_start_up_pauses_the_collector_only_during_the_imports():
+    """src/train.py pauses the cyclic collector for its imports (start-up time): afterwards it must be running again,
+    with what the imports made frozen out of later collections, and torch._dynamo (which every optimizer imports)
+    already loaded."""
+    probe = (
+        "import gc, sys; sys.path.insert(0, 'src'); import train; "
+        "print(gc.isenabled(), gc.get_freeze_count(), 'torch._dynamo' in sys.modules)"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    enabled, frozen, dynamo_loaded = proc.stdout.split()
+    assert enabled == "True" and dynamo_loaded == "True"
+    assert int(frozen) > 100_000  # torch alone makes a few hundred thousand objects
