@@ -1,6 +1,7 @@
 """The benchmark script runs and reports consistent figures (speed itself is never asserted in tests)."""
 
 import json
+import statistics
 import subprocess
 import sys
 
@@ -24,7 +25,8 @@ def test_benchmark_reports_loop_and_startup_figures(tmp_path, train_env):
     report = json.loads(out.read_text())
     assert [row["workload"] for row in report["loop"]] == ["synthetic MLP", "MNIST-1D CNN"]
     for row in report["loop"]:
-        assert row["ratio"] == pytest.approx(row["hydraloop_samples_per_s"] / row["handwritten_samples_per_s"])
+        pairs = [ours / theirs for ours, theirs in zip(row["samples"]["hydraloop"], row["samples"]["hand-written"])]
+        assert row["ratio"] == pytest.approx(statistics.median(pairs))
         assert row["hydraloop_samples_per_s"] > 0 and row["handwritten_samples_per_s"] > 0
     startup = report["startup"]
     assert startup["overhead_vs_import_torch_s"] == pytest.approx(
