@@ -1,9 +1,11 @@
-"""Checkpoints: one dict, loadable with torch.load(weights_only=True), written atomically.
+"""Checkpoints: one dict of CPU tensors, loadable with torch.load(weights_only=True) on any machine, written
+atomically.
 
 Keys: model (state_dict of the unwrapped model), optimizer, scheduler, the fields of TrainState (epoch: completed
 epochs, global_step, best_metric, skipped_steps, and epoch_step, epoch_loss_sum, epoch_skipped: progress into an
 unfinished epoch, for a checkpoint a stop signal asked for), grad_scaler (fp16 loss scale), metrics (the validation
-metrics when saved; empty mid-epoch), rng (torch, cuda, numpy, python) and config (resolved).
+metrics when saved; empty mid-epoch), rng (torch, cuda: the saving rank's own GPU's or None, numpy, python) and
+config (resolved).
 """
 
 import os
@@ -57,13 +59,16 @@ def save_atomic(obj: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """To the CPU, whatever device wrote it: loading into the model and optimizer copies to their devices, and
+    leaves the optimizer's `step` counters on the CPU, where a non-fused optimizer keeps them (on the GPU, AdamW's
+    foreach path would read each back to the host, twice per parameter per step)."""
     if not Path(path).exists():
         raise ConfigError(f"ckpt_path={path}: no such file")
     if not Path(path).is_file():
         raise ConfigError(f"ckpt_path={path}: not a file")
     try:
-        checkpoint = torch.load(path, map_location=map_location, weights_only=True, mmap=True)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:  # a truncated file, another format, a pickle with arbitrary objects
         raise ConfigError(f"ckpt_path={path}: not a readable checkpoint ({type(error).__name__})") from None
     missing = [key for key in REQUIRED_KEYS if not isinstance(checkpoint, dict) or key not in checkpoint]
@@ -121,17 +126,19 @@ def checkpoint_state(
     state: TrainState,
     metrics: dict[str, float],
     config: dict[str, Any],
+    device: torch.device,
 ) -> dict[str, Any]:
     """What a checkpoint holds (see the module docstring). The model's and optimizer's state come from the
-    strategy (`SingleDevice.state_dicts`): those of a plain model and optimizer, under every strategy."""
+    strategy (`SingleDevice.state_dicts`): those of a plain model and optimizer, under every strategy, copied to the
+    CPU so that a machine without this GPU (or without any) can open the file."""
     return {
-        "model": model_state,
-        "optimizer": optimizer_state,
+        "model": on_cpu(model_state),
+        "optimizer": on_cpu(optimizer_state),
         "scheduler": scheduler.state_dict(),
         **asdict(state),
         "grad_scaler": precision.state_dict(),
         "metrics": metrics,
-        "rng": rng_state(),
+        "rng": rng_state(device),
         "config": config,
     }
 
@@ -147,7 +154,7 @@ def resume(
 ) -> TrainState:
     """Loads everything a checkpoint holds into the (wrapped) model and the training objects; with
     `model_only` (evaluation), the weights alone. Every rank reads the file."""
-    checkpoint = load_checkpoint(path, map_location=strategy.device)
+    checkpoint = load_checkpoint(path)
     strategy.load_model_state(model, checkpoint["model"])
     state = TrainState(**{field.name: checkpoint.get(field.name, field.default) for field in fields(TrainState)})
     if model_only:
@@ -156,15 +163,28 @@ def resume(
     scheduler.load_state_dict(checkpoint["scheduler"])
     apply_current_step(scheduler)
     precision.load_state_dict(checkpoint.get("grad_scaler", {}))
-    restore_rng_state(checkpoint["rng"])
+    restore_rng_state(checkpoint["rng"], strategy.device)
     return state
 
 
-def rng_state() -> dict[str, Any]:
+def on_cpu(tree: Any) -> Any:
+    """`tree` (dicts, lists, tuples) with every tensor copied to the CPU; CPU tensors are kept as they are."""
+    if isinstance(tree, torch.Tensor):
+        return tree.cpu()
+    if isinstance(tree, dict):
+        return {key: on_cpu(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(on_cpu(value) for value in tree)
+    return tree
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """The generators' states; for CUDA only this rank's GPU's, so that a checkpoint from an 8-GPU node resumes on a
+    machine with one (every rank reseeds its GPU's generator before each step anyway: hydraloop.seeding)."""
     np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     return {
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
         # numpy's state holds an ndarray, which weights_only loading refuses; store it as a tensor.
         "numpy": {
             "name": np_name,
@@ -177,10 +197,11 @@ def rng_state() -> dict[str, Any]:
     }
 
 
-def restore_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"].cpu())
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+def restore_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    # A checkpoint from the CPU has none; one from before this format, a list of every GPU's: both are skipped.
+    if device.type == "cuda" and isinstance(state.get("cuda"), torch.Tensor):
+        torch.cuda.set_rng_state(state["cuda"], device)
     np_state = state["numpy"]
     np.random.set_state(
         (

@@ -144,7 +144,9 @@ class Trainer:
         state_dicts = self.strategy.state_dicts(model, optimizer)
 
         def make_state() -> dict[str, Any]:
-            return checkpoint_state(*state_dicts(), scheduler, self.precision, state, val_metrics, self.config)
+            return checkpoint_state(
+                *state_dicts(), scheduler, self.precision, state, val_metrics, self.config, self.strategy.device
+            )
 
         self.writer.save_checkpoint(make_state, is_best=is_best)
 
