@@ -68,6 +68,7 @@ class DDPStrategy(SingleDevice):
             self.rank = int(os.environ["RANK"])
             self.local_rank = int(os.environ["LOCAL_RANK"])
             self.world_size = int(os.environ["WORLD_SIZE"])
+            _check_one_gpu_per_rank(device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
             return
         self.nproc_per_node = (
             nproc_per_node if nproc_per_node is not None else (torch.cuda.device_count() if use_cuda else 2)
@@ -79,6 +80,7 @@ class DDPStrategy(SingleDevice):
                 f"parallel.nproc_per_node={self.nproc_per_node}: only {torch.cuda.device_count()} GPU(s) visible, "
                 "and nccl needs one GPU per process"
             )
+        _check_one_gpu_per_rank(device, self.nproc_per_node)
         self.world_size = self.nproc_per_node
 
     def launch(self, worker: Callable[..., T], *args) -> T:
@@ -148,6 +150,20 @@ class DDPStrategy(SingleDevice):
     def teardown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _check_one_gpu_per_rank(device: str, local_ranks: int) -> None:
+    """`device=cuda:N` names one GPU; with several ranks on this machine each would take it (nccl then fails with a
+    duplicate-GPU error), unless the launcher gave each rank a GPU of its own to see (CUDA_VISIBLE_DEVICES per task),
+    where cuda:0 is that one."""
+    if local_ranks < 2 or not device.startswith("cuda:"):
+        return
+    if torch.cuda.device_count() == 1 and os.environ.get("CUDA_VISIBLE_DEVICES"):
+        return
+    raise ConfigError(
+        f"device={device}: names one GPU for the {local_ranks} ranks on this machine, which each need their own; use "
+        "device=cuda (rank i takes GPU i), and CUDA_VISIBLE_DEVICES to choose which GPUs"
+    )
 
 
 def _first_failure(failed: ChildFailedError) -> tuple[int, ProcessFailure]:

@@ -13,20 +13,34 @@ T = TypeVar("T")
 
 
 def resolve_device(device: str, local_rank: int = 0) -> torch.device:
-    """`auto`: this rank's GPU if there is one, else the CPU. `cuda` without an index: this rank's GPU."""
+    """`auto`: this rank's GPU if there is one, else the CPU. `cuda` without an index: this rank's GPU, the one at its
+    local rank; or, where the launcher binds one GPU to each task (SLURM's --gpus-per-task, a CUDA_VISIBLE_DEVICES
+    per process), the only one the rank sees, whatever its local rank."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         resolved = torch.device(device)
     except RuntimeError:
         raise ConfigError(f"device={device}: not a device (use auto, cpu, cuda or cuda:N)") from None
-    if resolved.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"device={device}: CUDA is not available on this machine")
-        resolved = torch.device("cuda", local_rank if resolved.index is None else resolved.index)
-        if resolved.index >= torch.cuda.device_count():
-            raise ConfigError(f"device={device}: only {torch.cuda.device_count()} GPU(s) visible")
-    return resolved
+    if resolved.type != "cuda":
+        return resolved
+    if not torch.cuda.is_available():
+        raise ConfigError(f"device={device}: CUDA is not available on this machine")
+    visible = torch.cuda.device_count()
+    if resolved.index is not None:
+        if resolved.index >= visible:
+            raise ConfigError(f"device={device}: only {visible} GPU(s) visible")
+        return resolved
+    if local_rank < visible:
+        return torch.device("cuda", local_rank)
+    # One GPU in view, and a launcher that chose which (CUDA_VISIBLE_DEVICES): it is this rank's own. Without that
+    # variable every rank sees the same GPUs, and taking GPU 0 would put two ranks on it.
+    if visible == 1 and os.environ.get("CUDA_VISIBLE_DEVICES"):
+        return torch.device("cuda", 0)
+    raise ConfigError(
+        f"device={device}: this rank (LOCAL_RANK={local_rank}) has no GPU of its own, only {visible} GPU(s) visible; "
+        "start at most one process per GPU, or bind one GPU to each (CUDA_VISIBLE_DEVICES)"
+    )
 
 
 class SingleDevice:
@@ -63,6 +77,11 @@ class SingleDevice:
         self.device = resolve_device(self.device_name, self.local_rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """Every device this process computes on (after `setup`): its generators are reseeded before each step."""
+        return [self.device]
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return model.to(self.device)
