@@ -21,18 +21,19 @@ def epoch_seed(seed: int, rank: int, epoch: int) -> int:
 
 
 class StepSeeder:
-    """Reseeds torch's generators (the CPU's and this rank's GPU's) before every training step from (seed, rank, step).
+    """Reseeds torch's generators (the CPU's and those of the GPUs this rank computes on) before every training step
+    from (seed, rank, step).
 
     Then a run resumed at any step, mid-epoch included, draws the dropout masks the uninterrupted run drew. Setting a
     generator's seed is a microsecond on the host and no device work (`torch.manual_seed` itself costs 60 us: it
-    looks for every accelerator each call).
+    looks for every accelerator each call). `devices`: more than one under DataParallel, whose replicas draw from
+    their own GPUs' generators.
     """
 
-    def __init__(self, seed: int, rank: int, device: torch.device) -> None:
+    def __init__(self, seed: int, rank: int, devices: list[torch.device]) -> None:
         self.base = int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
         self.generators = [torch.default_generator]
-        if device.type == "cuda":
-            self.generators.append(torch.cuda.default_generators[device.index])
+        self.generators += [torch.cuda.default_generators[device.index] for device in devices if device.type == "cuda"]
 
     def __call__(self, step: int) -> None:
         for generator in self.generators:

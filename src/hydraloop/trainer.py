@@ -31,6 +31,15 @@ from hydraloop.seeding import StepSeeder, epoch_seed, seed_everything
 log = logging.getLogger(__name__)
 
 
+def interval_peak_memory_gb(devices: list[torch.device]) -> float:
+    """The most memory allocated on any of this rank's GPUs since the last call (then the peak is reset): the peak of
+    one logging interval, not of the whole process."""
+    peak = max(torch.cuda.max_memory_allocated(device) for device in devices)
+    for device in devices:
+        torch.cuda.reset_peak_memory_stats(device)
+    return peak / 1e9
+
+
 def batches_per_epoch(loader: DataLoader, limit: int | None, skipped: int = 0) -> int:
     """Steps in a whole epoch; `skipped`: batches the loader leaves out of this one (see ResumableSampler)."""
     full = len(loader) + skipped
@@ -73,7 +82,7 @@ class Trainer:
         self.config = config  # stored in every checkpoint
         self.stop_request = stop_request or StopRequest()
         self.stop_signum = 0  # the stop signal all ranks agreed on at the last reduction
-        self.seed_step = StepSeeder(seed, strategy.rank, strategy.device)
+        self.seed_step = StepSeeder(seed, strategy.rank, strategy.devices)
         self.progress, self.profiler = tqdm(disable=True), NullProfiler()  # fit() swaps in the writer's
 
     def fit(
@@ -275,7 +284,7 @@ class Trainer:
             "perf/data_wait_frac": interval.data_wait_s / seconds,
         }
         if self.strategy.device.type == "cuda":
-            metrics["perf/max_memory_gb"] = torch.cuda.max_memory_allocated(self.strategy.device) / 1e9
+            metrics["perf/max_memory_gb"] = self._highest_peak_memory_gb()
         self.writer.log_metrics(metrics, state.global_step)
         self.progress.update(interval.steps)
         self.progress.set_postfix(
@@ -293,6 +302,12 @@ class Trainer:
             samples_per_sec,
             100 * metrics["perf/data_wait_frac"],
         )
+
+    def _highest_peak_memory_gb(self) -> float:
+        """The highest peak of any rank's GPU memory over the logging interval (a logging step's extra reduction)."""
+        peaks = torch.zeros(self.strategy.world_size, device=self.strategy.device)
+        peaks[self.strategy.rank] = interval_peak_memory_gb(self.strategy.devices)
+        return self.strategy.all_reduce(peaks).max().item()
 
     def _global_mean(self, loss_sum: Tensor, steps: int) -> float:
         """Mean per-step loss over all ranks (each rank's step loss is the mean over an equal-sized shard).

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.optim import Optimizer
 
@@ -65,9 +66,15 @@ class FSDPStrategy(DDPStrategy):
                 f"{type(model).__name__} (it has {', '.join(sorted(found))})"
             )
 
+    def setup(self) -> None:
+        super().setup()
+        # Without a mesh fully_shard builds one on the machine's default accelerator: on a GPU machine, device=cpu
+        # would shard onto CUDA.
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+
     def wrap(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)
-        options = dict(reshard_after_forward=self.reshard_after_forward, mp_policy=self.mp_policy)
+        options = dict(reshard_after_forward=self.reshard_after_forward, mp_policy=self.mp_policy, mesh=self.mesh)
         # fully_shard goes bottom-up (a unit takes the parameters no unit below it took); reversed pre-order
         # visits every module after all of its descendants.
         for module in reversed(list(model.modules())):
