@@ -2,7 +2,6 @@
 
 import subprocess
 import sys
-import warnings
 
 import pytest
 import torch
@@ -139,31 +138,6 @@ def test_no_host_sync_in_the_steady_state_step(train_in_process, monkeypatch):
         )
         counts.append(len(calls))
     assert counts[0] == counts[1] and counts[0] <= 8  # per epoch: the epoch loss and the validation totals
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run by scripts/gpu_check.sh)")
-def test_no_device_sync_in_the_steady_state_step_on_cuda(train_in_process):
-    """On CUDA, torch itself reports every call that waits for the device (set_sync_debug_mode): their number must
-    not grow with the number of steps, in fp32 and in bf16."""
-    for precision in ("32", "bf16"):
-        counts = []
-        for steps in (4, 16):
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    train_in_process(
-                        "device=cuda",
-                        f"trainer.precision={precision}",
-                        "trainer.max_epochs=2",
-                        "logger=none",
-                        f"trainer.limit_train_batches={steps}",
-                        "trainer.log_every_n_steps=1000",
-                    )
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-            counts.append(sum("synchroniz" in str(warning.message) for warning in caught))
-        assert counts[0] == counts[1], (precision, counts)
 
 
 def test_efficiency_metrics_in_tensorboard(train_in_process):
