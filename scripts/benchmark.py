@@ -16,6 +16,7 @@ each process's median ratio of back-to-back pairs, the others are ratios of medi
 
 import argparse
 import gc
+import itertools
 import json
 import math
 import platform
@@ -40,6 +41,7 @@ from hydraloop.checkpoint import TrainState  # noqa: E402
 from hydraloop.config import register_configs  # noqa: E402
 from hydraloop.data.loaders import build_loaders  # noqa: E402
 from hydraloop.parallel.single import SingleDevice  # noqa: E402
+from hydraloop.perf import Throughput  # noqa: E402
 from hydraloop.precision import Precision  # noqa: E402
 from hydraloop.run_writer import NullRunWriter  # noqa: E402
 from hydraloop.trainer import Trainer  # noqa: E402
@@ -81,24 +83,26 @@ def hydraloop_epoch(cfg, device: torch.device):
     torch.manual_seed(cfg.seed)
     model = strategy.wrap(instantiate(cfg.model))
     optimizer = instantiate(cfg.optimizer)(model.parameters())
-    scheduler = instantiate(cfg.scheduler)(optimizer, total_steps=10**9, steps_per_epoch=len(loader))
     trainer = Trainer(
         strategy,
         NullRunWriter(),
         Precision(cfg.trainer.precision, device),
+        instantiate(cfg.task),
         cfg.trainer,
-        global_batch_size=cfg.data.batch_size,
+        model=model,
+        optimizer=optimizer,
+        scheduler=instantiate(cfg.scheduler)(optimizer, total_steps=10**9, steps_per_epoch=len(loader)),
+        throughput=Throughput(cfg.data.batch_size),
         seed=cfg.seed,
-        optimized_metric="val/acc",
-        optimized_metric_mode="max",
+        optimized_metric=cfg.optimized_metric,
+        optimized_metric_mode=cfg.optimized_metric_mode,
         config={},
     )
-    state = TrainState()
+    epochs = itertools.count()
 
     def epoch() -> int:
-        loader.sampler.set_epoch(state.epoch)
-        trainer.train_epoch(model, optimizer, scheduler, loader, state)
-        state.epoch += 1
+        loader.sampler.set_epoch(next(epochs))
+        trainer.train_epoch(loader, TrainState())
         return len(loader) * cfg.data.batch_size
 
     return epoch

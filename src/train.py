@@ -25,17 +25,18 @@ from omegaconf import DictConfig, OmegaConf
 
 from hydraloop.backends import configure_backends
 from hydraloop.checkpoint import TrainState, check_resumable, checkpoint_to_resume, resume
-from hydraloop.config import check_config, check_required, register_configs
+from hydraloop.config import check_config, check_required, check_task, register_configs
 from hydraloop.data.loaders import build_loaders
 from hydraloop.errors import ConfigError, Interrupted, TrainingDiverged, exit_on_error, unwrap_instantiation
 from hydraloop.parallel.cluster import export_submitit_rank_env
 from hydraloop.parallel.single import SingleDevice
+from hydraloop.perf import Throughput, flops_per_sample, peak_flops
 from hydraloop.precision import Precision
 from hydraloop.preemption import StopRequest
 from hydraloop.rank_logging import setup_rank_logging
 from hydraloop.run_writer import NullRunWriter, RunWriter
 from hydraloop.seeding import seed_everything
-from hydraloop.trainer import Trainer, batches_per_epoch
+from hydraloop.trainer import Trainer, batches_per_epoch, planned_steps
 
 gc.freeze()
 gc.enable()
@@ -78,6 +79,8 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice) -> dict:
         deterministic=cfg.trainer.deterministic, tf32=cfg.trainer.tf32, cudnn_benchmark=cfg.trainer.cudnn_benchmark
     )
     train_set, val_set = instantiate(cfg.data.dataset)
+    task = instantiate(cfg.task)
+    task.check_targets(torch.as_tensor(train_set[0][1]), f"data.dataset._target_={cfg.data.dataset._target_}")
     train_loader, val_loader = build_loaders(
         train_set,
         val_set,
@@ -96,6 +99,16 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice) -> dict:
 
     seed_everything(cfg.seed)  # the same on every rank: DDP starts from the weights single-process starts from
     model = instantiate(cfg.model)
+    params = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    log.info("model %s: %s parameters (%s trainable)", type(model).__name__, f"{params:,}", f"{trainable:,}")
+    throughput = Throughput(
+        cfg.data.batch_size,
+        task.tokens_per_sample,
+        flops_per_sample(model, task.tokens_per_sample),
+        peak_flops(strategy.device, cfg.trainer.peak_tflops),
+        gpus=strategy.world_size * len(strategy.devices),
+    )
     if cfg.trainer.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if cfg.trainer.compile:
@@ -104,7 +117,7 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice) -> dict:
     optimizer = instantiate(cfg.optimizer)(model.parameters())
     steps_per_epoch = batches_per_epoch(train_loader, cfg.trainer.limit_train_batches)
     scheduler = instantiate(cfg.scheduler)(
-        optimizer, total_steps=steps_per_epoch * cfg.trainer.max_epochs, steps_per_epoch=steps_per_epoch
+        optimizer, total_steps=planned_steps(cfg.trainer, steps_per_epoch), steps_per_epoch=steps_per_epoch
     )
     precision = Precision(cfg.trainer.precision, strategy.device)
     state = TrainState()
@@ -130,8 +143,12 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice) -> dict:
         strategy,
         writer,
         precision,
+        task,
         cfg.trainer,
-        global_batch_size=cfg.data.batch_size,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        throughput=throughput,
         seed=cfg.seed,
         optimized_metric=cfg.optimized_metric,
         optimized_metric_mode=cfg.optimized_metric_mode,
@@ -139,10 +156,11 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice) -> dict:
         stop_request=stop_request,
     )
     if cfg.mode == "eval":
-        metrics = trainer.validate(model, val_loader, state)
+        metrics = trainer.validate(val_loader, state)
     else:
         with stop_request:  # SIGTERM / SIGUSR1: checkpoint at the next logging step, then stop
-            metrics = trainer.fit(model, optimizer, scheduler, train_loader, val_loader, state)
+            metrics = trainer.fit(train_loader, val_loader, state)
+    metrics.update({"model/params": params, "model/trainable_params": trainable})
     writer.finish(metrics)
     return metrics
 
@@ -158,6 +176,7 @@ def main(cfg: DictConfig) -> float:
         strategy = instantiate(cfg.parallel, device=cfg.device)
         setup_rank_logging(strategy.rank, cfg.log_file)  # under torchrun or SLURM every rank runs main: log once
         check_config(cfg, strategy.world_size)
+        check_task(cfg, instantiate(cfg.task))
         strategy.check(cfg)
         ckpt_path = checkpoint_to_resume(cfg)
         if ckpt_path:

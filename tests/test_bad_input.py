@@ -40,7 +40,7 @@ def assert_rejected_by_hydra(run, *expected: str) -> None:
         ("optimizer.lr=abc", "optimizer.lr=abc: must be a positive finite number"),
         ("trainer.max_epochs=0", "trainer.max_epochs=0: must be positive"),
         ("device=banana", "device=banana: not a device"),
-        ("optimized_metric=val/f1", "optimized_metric=val/f1: must be one of val/acc, val/loss"),
+        ("optimized_metric=val/f1", "optimized_metric=val/f1: the task reports val/loss, val/acc, val/acc_top5"),
         ("optimized_metric_mode=up", "optimized_metric_mode=up: must be max or min"),
         ("trainer.precision=fp8", "trainer.precision=fp8: must be one of 32, bf16, fp16"),
         ("trainer.grad_accum_steps=5", "trainer.grad_accum_steps=5: data.batch_size=64 does not split"),

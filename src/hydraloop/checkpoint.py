@@ -101,6 +101,9 @@ def check_resumable(path: str | Path, cfg: Any) -> None:
         raise ConfigError(
             f"{source}: holds {saved_optimizer} state, the config asks for {cfg.optimizer._target_}{hint}"
         )
+    done, max_steps = checkpoint["global_step"], cfg.trainer.max_steps
+    if cfg.mode == "train" and max_steps is not None and max_steps < done:
+        raise ConfigError(f"trainer.max_steps={max_steps}: below the {done} steps already done ({source}){hint}")
     model_cfg = cfg.model
     saved = {name: tuple(tensor.shape) for name, tensor in checkpoint["model"].items()}
     with torch.device("meta"):

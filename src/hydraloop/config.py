@@ -18,19 +18,25 @@ from datetime import timedelta
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+from hydra.utils import get_class
 from omegaconf import MISSING, OmegaConf
 
 from hydraloop.errors import ConfigError
 
 PRECISIONS = ("32", "bf16", "fp16")
-VAL_METRICS = ("val/acc", "val/loss")
-"""What the validation pass reports; `optimized_metric` names one of them."""
 
 
 @dataclass
 class TrainerConfig:
     max_epochs: int = 20
-    """Epochs to train; with `ckpt_path`, the total including those already done."""
+    """Epochs to train; with `ckpt_path`, the total including those already done. Ignored when `max_steps` is set."""
+    max_steps: int | None = None
+    """Optimizer steps to train in all (mid-epoch if need be), the total including those already done when resuming;
+    schedulers plan for it. null: `max_epochs` decides."""
+    val_every_n_steps: int | None = None
+    """Also validate (and keep checkpoints/best.pt) every this many steps, besides each epoch end; null: epoch ends."""
+    ckpt_every_n_steps: int | None = None
+    """Also write checkpoints/last.pt every this many steps, besides each epoch end; null: epoch ends."""
     log_every_n_steps: int = 10
     """Console and TensorBoard train metrics every this many optimizer steps (a sync point, so not every step)."""
     grad_clip_norm: float | None = None
@@ -61,6 +67,8 @@ class TrainerConfig:
     of nothing but skipped steps still ends the run."""
     profile: bool = False
     """torch.profiler over steps 2-5 of the run (rank 0); the trace goes to tensorboard/profiler/."""
+    peak_tflops: float | None = None
+    """One GPU's peak dense TFLOP/s, for perf/mfu; null: looked up from the GPU's name (hydraloop.perf)."""
 
 
 @dataclass
@@ -70,6 +78,9 @@ class DataConfig:
     input_shape: list[int] = MISSING
     """Shape of one sample without the batch dimension; models read it through interpolation."""
     num_classes: int = MISSING
+    """The number of classes; more generally, the width of the model's output (prod(target_shape) for regression)."""
+    target_shape: list[int] | None = None
+    """Real-valued targets' shape per sample (task=regression), e.g. [] for one value; null: integer class labels."""
     val_batch_size: int | None = None
     """Global evaluation batch size; null: same as batch_size."""
     num_workers: int = 0
@@ -151,6 +162,8 @@ class TrainConfig:
     optimizer: Any = MISSING
     scheduler: Any = MISSING
     logger: Any = MISSING
+    task: Any = MISSING
+    """What the loop optimises and validation reports (hydraloop.tasks)."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     mode: str = "train"
     """train, or eval: evaluate the weights of `ckpt_path` on the validation set and write metrics.json."""
@@ -164,10 +177,10 @@ class TrainConfig:
     """Continue from the run directory's own checkpoints/last.pt when there is one (a job restarted by torchrun,
     requeued by SLURM, or rerun into the same `hydra.run.dir` after a stop signal); it takes precedence over
     `ckpt_path`. false: start from `ckpt_path` or from scratch, overwriting the directory's checkpoints."""
-    optimized_metric: str = "val/acc"
-    """Returned to sweepers and used to choose checkpoints/best.pt."""
-    optimized_metric_mode: str = "max"
-    """max or min: which direction of `optimized_metric` is better."""
+    optimized_metric: str = "${default_metric:${task._target_}}"
+    """Returned to sweepers and used to choose checkpoints/best.pt; one of the task's metrics (default: its own)."""
+    optimized_metric_mode: str = "${metric_mode:${task._target_},${optimized_metric}}"
+    """max or min: which direction of `optimized_metric` is better (default: the task's for that metric)."""
     output_dir: str = "${hydra:runtime.output_dir}"
     """The run directory; every rank writes into the launcher's, never one of its own."""
     log_file: str = "${hydra:runtime.output_dir}/${hydra:job.name}.log"
@@ -207,13 +220,18 @@ def rank_zero_only(value: Any) -> Any:
 
 def register_configs() -> None:
     """The schemas, and the resolvers: `${sweep_direction:max}` -> maximize (for sweepers), `${shared_run_path:}`,
-    `${rank_zero_only:value}`."""
+    `${rank_zero_only:value}`, `${default_metric:<task class>}` and `${metric_mode:<task class>,<metric>}`."""
     if not OmegaConf.has_resolver("sweep_direction"):
         OmegaConf.register_new_resolver("sweep_direction", lambda mode: {"max": "maximize", "min": "minimize"}[mode])
     if not OmegaConf.has_resolver("shared_run_path"):
         OmegaConf.register_new_resolver("shared_run_path", shared_run_path, use_cache=True)
     if not OmegaConf.has_resolver("rank_zero_only"):
         OmegaConf.register_new_resolver("rank_zero_only", rank_zero_only)
+    if not OmegaConf.has_resolver("default_metric"):
+        OmegaConf.register_new_resolver("default_metric", lambda task: get_class(task).default_metric)
+    if not OmegaConf.has_resolver("metric_mode"):
+        # An unknown metric gets a placeholder here: check_task names the valid ones in one line.
+        OmegaConf.register_new_resolver("metric_mode", lambda task, metric: get_class(task).metrics.get(metric, "max"))
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
     cs.store(group="schema/parallel", name="single", node=SingleConfig)
@@ -237,6 +255,9 @@ def check_config(cfg: Any, world_size: int) -> None:
     val_batch_size = cfg.data.val_batch_size
     _require(val_batch_size is None or val_batch_size > 0, f"data.val_batch_size={val_batch_size}: must be positive")
     _require(cfg.trainer.max_epochs > 0, f"trainer.max_epochs={cfg.trainer.max_epochs}: must be positive")
+    for key in ("max_steps", "val_every_n_steps", "ckpt_every_n_steps", "peak_tflops"):
+        value = cfg.trainer[key]
+        _require(value is None or value > 0, f"trainer.{key}={value}: must be positive, or null")
     _require(
         cfg.trainer.log_every_n_steps > 0,
         f"trainer.log_every_n_steps={cfg.trainer.log_every_n_steps}: must be positive",
@@ -262,10 +283,15 @@ def check_config(cfg: Any, world_size: int) -> None:
         isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0 < lr < math.inf,
         f"optimizer.lr={lr}: must be a positive finite number",
     )
-    metric = cfg.optimized_metric
-    _require(metric in VAL_METRICS, f"optimized_metric={metric}: must be one of {', '.join(VAL_METRICS)}")
     mode = cfg.optimized_metric_mode
     _require(mode in ("max", "min"), f"optimized_metric_mode={mode}: must be max or min")
+
+
+def check_task(cfg: Any, task: Any) -> None:
+    """The task fits the data and model, and reports `optimized_metric`."""
+    task.check(cfg)
+    metric, reported = cfg.optimized_metric, task.reported_metrics()
+    _require(metric in reported, f"optimized_metric={metric}: the task reports {', '.join(reported)}")
 
 
 def check_required(cfg: Any) -> None:
