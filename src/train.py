@@ -27,7 +27,14 @@ from hydraloop.backends import configure_backends
 from hydraloop.checkpoint import TrainState, check_resumable, checkpoint_to_resume, resume
 from hydraloop.config import check_config, check_required, register_configs
 from hydraloop.data.loaders import build_loaders
-from hydraloop.errors import ConfigError, Interrupted, TrainingDiverged, exit_on_error, unwrap_instantiation
+from hydraloop.errors import (
+    ConfigError,
+    Interrupted,
+    StorageError,
+    TrainingDiverged,
+    exit_on_error,
+    unwrap_instantiation,
+)
 from hydraloop.parallel.cluster import export_submitit_rank_env
 from hydraloop.parallel.single import SingleDevice
 from hydraloop.precision import Precision
@@ -56,10 +63,11 @@ def train(cfg: DictConfig) -> dict:
         # collectives fail only then, so the launcher names this rank, not one of them, as the first to fail.
         traceback.clear_frames(error.__traceback__)  # frees what build_and_run made first (see there)
         atexit.register(strategy.teardown)
-        # Bad input (also when a data set or model constructor rejected its arguments), a diverged loss and a stop
-        # signal: the launcher reports them as one line. Anything else is a failure, logged with its traceback.
+        # Bad input (also when a data set or model constructor rejected its arguments), a diverged loss, a failed
+        # write and a stop signal: the launcher reports them as one line. Anything else is a failure, logged with its
+        # traceback.
         cause = unwrap_instantiation(error)
-        if isinstance(cause, (ConfigError, TrainingDiverged, Interrupted)):
+        if isinstance(cause, (ConfigError, TrainingDiverged, StorageError, Interrupted)):
             raise cause from None
         log.exception("training failed")
         raise

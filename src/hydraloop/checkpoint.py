@@ -6,7 +6,6 @@ unfinished epoch, for a checkpoint a stop signal asked for), grad_scaler (fp16 l
 metrics when saved; empty mid-epoch), rng (torch, cuda, numpy, python) and config (resolved).
 """
 
-import os
 import random
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -23,6 +22,7 @@ from hydraloop.errors import ConfigError
 from hydraloop.parallel.single import SingleDevice
 from hydraloop.precision import Precision
 from hydraloop.schedulers import apply_current_step
+from hydraloop.storage import write_atomic
 
 REQUIRED_KEYS = ("model", "optimizer", "scheduler", "epoch", "global_step", "rng")
 
@@ -49,12 +49,11 @@ class TrainState:
         self.epoch, self.epoch_step, self.epoch_loss_sum, self.epoch_skipped = self.epoch + 1, 0, 0.0, 0
 
 
-def save_atomic(obj: Any, path: Path) -> None:
-    """Write to a temporary file, then rename: a crash mid-write never leaves a truncated checkpoint."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+def save_atomic(obj: Any, path: Path, consequence: str = "") -> None:
+    """Written beside `path`, fsync'ed, then renamed (hydraloop.storage): a crash or a full disk mid-write never
+    leaves a truncated checkpoint, and a failed write raises StorageError naming `path` and the cause."""
+    # A file object, not a path: torch then writes through Python, whose OSError (with its errno) is kept.
+    write_atomic(path, lambda file: torch.save(obj, file), consequence)
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:

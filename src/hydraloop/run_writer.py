@@ -1,13 +1,12 @@
 """What rank 0 writes: logger events, checkpoints, metrics.json, profiler traces, and the console progress bar.
 
 Every other rank gets NullRunWriter, so the training loop calls the same methods on all ranks and never asks
-"am I rank 0?".
+"am I rank 0?". Every write is atomic and durable, and a failed one raises StorageError (hydraloop.storage).
 """
 
 import json
-import os
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,9 @@ from hydraloop.checkpoint import save_atomic
 from hydraloop.console import progress_bar
 from hydraloop.loggers import NullLogger
 from hydraloop.profiling import NullProfiler, step_profiler
+from hydraloop.storage import storage_errors, write_atomic
+
+KEPT = "; the checkpoints saved before are intact"
 
 
 class NullRunWriter:
@@ -48,7 +50,8 @@ class RunWriter(NullRunWriter):
         self.config = config
         # Indented four spaces: TensorBoard's text plugin renders that as a code block.
         config_yaml = OmegaConf.to_yaml(config)
-        logger.log_text("config", "\n".join("    " + line for line in config_yaml.splitlines()))
+        with self._logger_errors():
+            logger.log_text("config", "\n".join("    " + line for line in config_yaml.splitlines()))
 
     def progress(self, total_steps: int, done_steps: int) -> AbstractContextManager[tqdm]:
         return progress_bar(total_steps, done_steps)
@@ -57,27 +60,34 @@ class RunWriter(NullRunWriter):
         return step_profiler(self.run_dir / "tensorboard" / "profiler") if self.profile else NullProfiler()
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        self.logger.log_metrics(metrics, step)
+        with self._logger_errors():
+            self.logger.log_metrics(metrics, step)
 
     def save_checkpoint(self, make_state: Callable[[], dict[str, Any]], is_best: bool) -> None:
         """checkpoints/last.pt always; checkpoints/best.pt too when the optimized metric improved."""
         if not self.save_checkpoints:
             return
         state = make_state()
-        save_atomic(state, self.run_dir / "checkpoints" / "last.pt")
+        save_atomic(state, self.run_dir / "checkpoints" / "last.pt", KEPT)
         if is_best:
-            save_atomic(state, self.run_dir / "checkpoints" / "best.pt")
+            save_atomic(state, self.run_dir / "checkpoints" / "best.pt", KEPT)
 
     def finish(self, metrics: dict[str, Any]) -> None:
         """Final metrics: as TensorBoard hyper-parameter results, and as metrics.json (written atomically)."""
         hparams = {
             key: value for key, value in _flatten(self.config).items() if not key.startswith(("output_dir", "log_file"))
         }
-        self.logger.log_hparams(hparams, {k: v for k, v in metrics.items() if "/" in k and v is not None})
-        self.logger.close()
-        tmp = self.run_dir / "metrics.json.tmp"
-        tmp.write_text(json.dumps(metrics, indent=2) + "\n")
-        os.replace(tmp, self.run_dir / "metrics.json")
+        with self._logger_errors():
+            self.logger.log_hparams(hparams, {k: v for k, v in metrics.items() if "/" in k and v is not None})
+            self.logger.close()
+        text = json.dumps(metrics, indent=2) + "\n"
+        write_atomic(self.run_dir / "metrics.json", lambda file: file.write(text.encode()))
+
+    @contextmanager
+    def _logger_errors(self) -> Iterator[None]:
+        """A logger's failed write (its own files, under the run directory) as StorageError."""
+        with storage_errors(self.run_dir / "tensorboard"):
+            yield
 
 
 def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
