@@ -129,6 +129,8 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice) -> dict:
             config,
             save_checkpoints=cfg.trainer.save_checkpoints and cfg.mode == "train",
             profile=cfg.trainer.profile,
+            keep_last_k=cfg.trainer.keep_last_k,
+            start_step=state.global_step,
         )
         if strategy.is_main_process
         else NullRunWriter()
@@ -167,7 +169,7 @@ def main(cfg: DictConfig) -> float:
         setup_rank_logging(strategy.rank, cfg.log_file)  # under torchrun or SLURM every rank runs main: log once
         check_config(cfg, strategy.world_size)
         strategy.check(cfg)
-        ckpt_path = checkpoint_to_resume(cfg)
+        ckpt_path = checkpoint_to_resume(cfg, report=strategy.is_main_process)
         if ckpt_path:
             check_resumable(ckpt_path, cfg)
         log.info("run directory: %s\n%s", cfg.output_dir, OmegaConf.to_yaml(cfg).rstrip())

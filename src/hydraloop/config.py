@@ -39,6 +39,9 @@ class TrainerConfig:
     """torch.use_deterministic_algorithms(True): slower, bit-reproducible kernels."""
     save_checkpoints: bool = True
     """Write checkpoints/last.pt every epoch and checkpoints/best.pt when `optimized_metric` improves."""
+    keep_last_k: int = 2
+    """Step-named checkpoints (checkpoints/step-00000120.pt) kept beside last.pt, which is a second name of the
+    newest; resuming from a last.pt that cannot be read falls back to the newest readable one. 1: no fallback."""
     precision: str = "32"
     """32 (float32), bf16 or fp16: autocast for the forward pass and loss; fp16 adds a GradScaler."""
     compile: bool = False
@@ -248,6 +251,8 @@ def check_config(cfg: Any, world_size: int) -> None:
         f"trainer.grad_accum_steps={accum}: data.batch_size={batch_size} does not split into {world_size} rank(s) "
         f"x {accum} equal micro-batches",
     )
+    keep = cfg.trainer.keep_last_k
+    _require(keep >= 1, f"trainer.keep_last_k={keep}: must be at least 1 (the newest checkpoint is one of them)")
     nonfinite = cfg.trainer.nonfinite_loss
     _require(nonfinite in ("stop", "skip"), f"trainer.nonfinite_loss={nonfinite}: must be stop or skip")
     precision = str(cfg.trainer.precision)
