@@ -40,6 +40,7 @@ from hydraloop.parallel.single import SingleDevice
 from hydraloop.precision import Precision
 from hydraloop.preemption import StopRequest
 from hydraloop.rank_logging import setup_rank_logging
+from hydraloop.run_lock import owned_run_directory
 from hydraloop.run_writer import NullRunWriter, RunWriter
 from hydraloop.seeding import seed_everything
 from hydraloop.trainer import Trainer, batches_per_epoch
@@ -167,13 +168,16 @@ def main(cfg: DictConfig) -> float:
         export_submitit_rank_env()  # under hydra/launcher=slurm, this process may be one rank of a job
         strategy = instantiate(cfg.parallel, device=cfg.device)
         setup_rank_logging(strategy.rank, cfg.log_file)  # under torchrun or SLURM every rank runs main: log once
-        check_config(cfg, strategy.world_size)
-        strategy.check(cfg)
-        ckpt_path = checkpoint_to_resume(cfg, report=strategy.is_main_process)
-        if ckpt_path:
-            check_resumable(ckpt_path, cfg)
-        log.info("run directory: %s\n%s", cfg.output_dir, OmegaConf.to_yaml(cfg).rstrip())
-        metrics = strategy.launch(train, cfg)
+        # The launcher of spawned ranks, or rank 0 where every rank runs main, owns the run directory; a directory
+        # another live run owns, or one that cannot be written, is refused here, before anything is written into it.
+        with owned_run_directory(cfg.output_dir, cfg.log_file, owner=strategy.is_main_process):
+            check_config(cfg, strategy.world_size)
+            strategy.check(cfg)
+            ckpt_path = checkpoint_to_resume(cfg, report=strategy.is_main_process)
+            if ckpt_path:
+                check_resumable(ckpt_path, cfg)
+            log.info("run directory: %s\n%s", cfg.output_dir, OmegaConf.to_yaml(cfg).rstrip())
+            metrics = strategy.launch(train, cfg)
     log.info("final metrics: %s", {k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()})
     return metrics[cfg.optimized_metric]
 

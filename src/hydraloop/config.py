@@ -208,15 +208,32 @@ def rank_zero_only(value: Any) -> Any:
     return value
 
 
+def run_owner_only(value: Any) -> Any:
+    """`value` in the process that will own the run directory, null elsewhere: for Hydra's `.hydra` subfolder,
+    which Hydra writes before `main` runs. That process is rank 0 (see rank_zero_only), when the directory can be
+    written and no other live run holds it (hydraloop.run_lock): a run refused at start leaves the owner's `.hydra`
+    alone."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from hydraloop.run_lock import may_own
+
+    value = rank_zero_only(value)
+    if value is None or not HydraConfig.initialized():
+        return value
+    return value if may_own(HydraConfig.get().runtime.output_dir) else None
+
+
 def register_configs() -> None:
     """The schemas, and the resolvers: `${sweep_direction:max}` -> maximize (for sweepers), `${shared_run_path:}`,
-    `${rank_zero_only:value}`."""
+    `${rank_zero_only:value}`, `${run_owner_only:value}`."""
     if not OmegaConf.has_resolver("sweep_direction"):
         OmegaConf.register_new_resolver("sweep_direction", lambda mode: {"max": "maximize", "min": "minimize"}[mode])
     if not OmegaConf.has_resolver("shared_run_path"):
         OmegaConf.register_new_resolver("shared_run_path", shared_run_path, use_cache=True)
     if not OmegaConf.has_resolver("rank_zero_only"):
         OmegaConf.register_new_resolver("rank_zero_only", rank_zero_only)
+    if not OmegaConf.has_resolver("run_owner_only"):
+        OmegaConf.register_new_resolver("run_owner_only", run_owner_only)
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
     cs.store(group="schema/parallel", name="single", node=SingleConfig)
