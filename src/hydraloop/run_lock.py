@@ -87,15 +87,19 @@ def owned_run_directory(run_dir: str | Path, log_file: str | Path, owner: bool =
         yield
         return
     run_dir = Path(run_dir)
+    me = None
     try:
         me = take(run_dir)
-    except ConfigError:
-        _stop_logging_into(run_dir)  # someone else's directory, or none can be written: the line goes to the console
-        raise
-    try:
-        for folder in [run_dir, *(path for path in run_dir.iterdir() if path.is_dir() and path.name != ".hydra")]:
+        for folder in _written_folders(run_dir):
             check_writable(folder, "run directory" if folder == run_dir else "run directory folder")
         check_appendable(Path(log_file), "job log")
+    except ConfigError:
+        # Someone else's directory, or one this run cannot write: the error line goes to the console only.
+        _stop_logging_into(run_dir)
+        if me:
+            release(run_dir, me)
+        raise
+    try:
         yield
     finally:
         release(run_dir, me)
@@ -146,9 +150,9 @@ def release(run_dir: Path, me: Owner) -> None:
 
 
 def may_own(run_dir: str | Path) -> bool:
-    """Whether this process could take the lock of `run_dir`: it can be written, and no live run holds it. A quick
-    look, without the lock (`take` decides)."""
-    if not os.access(run_dir, os.W_OK):
+    """Whether this process could take the lock of `run_dir`: it and its folders can be written, and no live run
+    holds it. A quick look, without the lock (`take` and `check_writable` decide)."""
+    if not all(os.access(folder, os.W_OK) for folder in _written_folders(Path(run_dir))):
         return False
     try:
         fd = os.open(Path(run_dir) / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
@@ -159,6 +163,11 @@ def may_own(run_dir: str | Path) -> bool:
     finally:
         os.close(fd)
     return holder is None or holder.stale_for(Owner.this_process()) is not None
+
+
+def _written_folders(run_dir: Path) -> list[Path]:
+    """The run directory and the folders in it that a run writes into (Hydra writes `.hydra` before `main`)."""
+    return [run_dir, *(path for path in run_dir.iterdir() if path.is_dir() and path.name != ".hydra")]
 
 
 def _in_use_message(run_dir: Path, path: Path, holder: Owner, me: Owner) -> str:
