@@ -27,12 +27,20 @@ from hydraloop.backends import configure_backends
 from hydraloop.checkpoint import TrainState, check_resumable, checkpoint_to_resume, resume
 from hydraloop.config import check_config, check_required, register_configs
 from hydraloop.data.loaders import build_loaders
-from hydraloop.errors import ConfigError, Interrupted, TrainingDiverged, exit_on_error, unwrap_instantiation
+from hydraloop.errors import (
+    ConfigError,
+    Interrupted,
+    StorageError,
+    TrainingDiverged,
+    exit_on_error,
+    unwrap_instantiation,
+)
 from hydraloop.parallel.cluster import export_submitit_rank_env
 from hydraloop.parallel.single import SingleDevice
 from hydraloop.precision import Precision
 from hydraloop.preemption import StopRequest
 from hydraloop.rank_logging import setup_rank_logging
+from hydraloop.run_lock import owned_run_directory
 from hydraloop.run_writer import NullRunWriter, RunWriter
 from hydraloop.seeding import seed_everything
 from hydraloop.trainer import Trainer, batches_per_epoch
@@ -56,10 +64,11 @@ def train(cfg: DictConfig) -> dict:
         # collectives fail only then, so the launcher names this rank, not one of them, as the first to fail.
         traceback.clear_frames(error.__traceback__)  # frees what build_and_run made first (see there)
         atexit.register(strategy.teardown)
-        # Bad input (also when a data set or model constructor rejected its arguments), a diverged loss and a stop
-        # signal: the launcher reports them as one line. Anything else is a failure, logged with its traceback.
+        # Bad input (also when a data set or model constructor rejected its arguments), a diverged loss, a failed
+        # write and a stop signal: the launcher reports them as one line. Anything else is a failure, logged with its
+        # traceback.
         cause = unwrap_instantiation(error)
-        if isinstance(cause, (ConfigError, TrainingDiverged, Interrupted)):
+        if isinstance(cause, (ConfigError, TrainingDiverged, StorageError, Interrupted)):
             raise cause from None
         log.exception("training failed")
         raise
@@ -121,6 +130,8 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice) -> dict:
             config,
             save_checkpoints=cfg.trainer.save_checkpoints and cfg.mode == "train",
             profile=cfg.trainer.profile,
+            keep_last_k=cfg.trainer.keep_last_k,
+            start_step=state.global_step,
         )
         if strategy.is_main_process
         else NullRunWriter()
@@ -157,13 +168,16 @@ def main(cfg: DictConfig) -> float:
         export_submitit_rank_env()  # under hydra/launcher=slurm, this process may be one rank of a job
         strategy = instantiate(cfg.parallel, device=cfg.device)
         setup_rank_logging(strategy.rank, cfg.log_file)  # under torchrun or SLURM every rank runs main: log once
-        check_config(cfg, strategy.world_size)
-        strategy.check(cfg)
-        ckpt_path = checkpoint_to_resume(cfg)
-        if ckpt_path:
-            check_resumable(ckpt_path, cfg)
-        log.info("run directory: %s\n%s", cfg.output_dir, OmegaConf.to_yaml(cfg).rstrip())
-        metrics = strategy.launch(train, cfg)
+        # The launcher of spawned ranks, or rank 0 where every rank runs main, owns the run directory; a directory
+        # another live run owns, or one that cannot be written, is refused here, before anything is written into it.
+        with owned_run_directory(cfg.output_dir, cfg.log_file, owner=strategy.is_main_process):
+            check_config(cfg, strategy.world_size)
+            strategy.check(cfg)
+            ckpt_path = checkpoint_to_resume(cfg, report=strategy.is_main_process)
+            if ckpt_path:
+                check_resumable(ckpt_path, cfg)
+            log.info("run directory: %s\n%s", cfg.output_dir, OmegaConf.to_yaml(cfg).rstrip())
+            metrics = strategy.launch(train, cfg)
     log.info("final metrics: %s", {k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()})
     return metrics[cfg.optimized_metric]
 

@@ -39,6 +39,9 @@ class TrainerConfig:
     """torch.use_deterministic_algorithms(True): slower, bit-reproducible kernels."""
     save_checkpoints: bool = True
     """Write checkpoints/last.pt every epoch and checkpoints/best.pt when `optimized_metric` improves."""
+    keep_last_k: int = 2
+    """Step-named checkpoints (checkpoints/step-00000120.pt) kept beside last.pt, which is a second name of the
+    newest; resuming from a last.pt that cannot be read falls back to the newest readable one. 1: no fallback."""
     precision: str = "32"
     """32 (float32), bf16 or fp16: autocast for the forward pass and loss; fp16 adds a GradScaler."""
     compile: bool = False
@@ -205,15 +208,32 @@ def rank_zero_only(value: Any) -> Any:
     return value
 
 
+def run_owner_only(value: Any) -> Any:
+    """`value` in the process that will own the run directory, null elsewhere: for Hydra's `.hydra` subfolder,
+    which Hydra writes before `main` runs. That process is rank 0 (see rank_zero_only), when the directory can be
+    written and no other live run holds it (hydraloop.run_lock): a run refused at start leaves the owner's `.hydra`
+    alone."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from hydraloop.run_lock import may_own
+
+    value = rank_zero_only(value)
+    if value is None or not HydraConfig.initialized():
+        return value
+    return value if may_own(HydraConfig.get().runtime.output_dir) else None
+
+
 def register_configs() -> None:
     """The schemas, and the resolvers: `${sweep_direction:max}` -> maximize (for sweepers), `${shared_run_path:}`,
-    `${rank_zero_only:value}`."""
+    `${rank_zero_only:value}`, `${run_owner_only:value}`."""
     if not OmegaConf.has_resolver("sweep_direction"):
         OmegaConf.register_new_resolver("sweep_direction", lambda mode: {"max": "maximize", "min": "minimize"}[mode])
     if not OmegaConf.has_resolver("shared_run_path"):
         OmegaConf.register_new_resolver("shared_run_path", shared_run_path, use_cache=True)
     if not OmegaConf.has_resolver("rank_zero_only"):
         OmegaConf.register_new_resolver("rank_zero_only", rank_zero_only)
+    if not OmegaConf.has_resolver("run_owner_only"):
+        OmegaConf.register_new_resolver("run_owner_only", run_owner_only)
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
     cs.store(group="schema/parallel", name="single", node=SingleConfig)
@@ -248,6 +268,8 @@ def check_config(cfg: Any, world_size: int) -> None:
         f"trainer.grad_accum_steps={accum}: data.batch_size={batch_size} does not split into {world_size} rank(s) "
         f"x {accum} equal micro-batches",
     )
+    keep = cfg.trainer.keep_last_k
+    _require(keep >= 1, f"trainer.keep_last_k={keep}: must be at least 1 (the newest checkpoint is one of them)")
     nonfinite = cfg.trainer.nonfinite_loss
     _require(nonfinite in ("stop", "skip"), f"trainer.nonfinite_loss={nonfinite}: must be stop or skip")
     precision = str(cfg.trainer.precision)

@@ -15,7 +15,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.nn.parallel import DistributedDataParallel
 
-from hydraloop.errors import ConfigError, Interrupted, WorkerFailed
+from hydraloop.errors import ConfigError, Interrupted, StorageError, WorkerFailed
 from hydraloop.parallel.single import SingleDevice, resolve_device
 from hydraloop.preemption import STOP_SIGNALS
 
@@ -114,6 +114,8 @@ class DDPStrategy(SingleDevice):
             message = failure.message.get("message") if isinstance(failure.message, dict) else failure.message
             if str(message).startswith("ConfigError: "):  # bad input only a rank could see, e.g. in a data file
                 raise ConfigError(str(message).removeprefix("ConfigError: ")) from None
+            if str(message).startswith("StorageError: "):  # rank 0's failed write: its own line and exit code
+                raise StorageError(str(message).removeprefix("StorageError: ")) from None
             raise WorkerFailed(f"rank {rank} failed (exit code {failure.exitcode}): {message}") from None
 
     def setup(self) -> None:
