@@ -1,4 +1,4 @@
-"""What rank 0 writes: logger events, checkpoints, metrics.json, profiler traces, and the console progress bar.
+"""What rank 0 writes: logger runs, checkpoints, metrics.json, profiler traces, and the console progress bar.
 
 Every other rank gets NullRunWriter, so the training loop calls the same methods on all ranks and never asks
 "am I rank 0?".
@@ -11,12 +11,11 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from hydraloop.checkpoint import save_atomic
 from hydraloop.console import progress_bar
-from hydraloop.loggers import NullLogger
+from hydraloop.loggers import JobInfo, NullLogger, RunInfo
 from hydraloop.profiling import NullProfiler, step_profiler
 
 
@@ -39,16 +38,22 @@ class NullRunWriter:
 
 class RunWriter(NullRunWriter):
     def __init__(
-        self, run_dir: str | Path, logger: NullLogger, config: dict[str, Any], save_checkpoints: bool, profile: bool
+        self,
+        run_dir: str | Path,
+        logger: NullLogger,
+        config: dict[str, Any],
+        save_checkpoints: bool,
+        profile: bool,
+        num_params: int = 0,
+        job: JobInfo | None = None,
     ) -> None:
+        """`num_params`: the model's parameter count; `job`: the Hydra job's overrides and multirun, if any."""
         self.run_dir = Path(run_dir)
         self.logger = logger
         self.save_checkpoints = save_checkpoints
         self.profile = profile
-        self.config = config
-        # Indented four spaces: TensorBoard's text plugin renders that as a code block.
-        config_yaml = OmegaConf.to_yaml(config)
-        logger.log_text("config", "\n".join("    " + line for line in config_yaml.splitlines()))
+        self.num_params = num_params
+        logger.start(RunInfo(self.run_dir, config, num_params, job or JobInfo()))
 
     def progress(self, total_steps: int, done_steps: int) -> AbstractContextManager[tqdm]:
         return progress_bar(total_steps, done_steps)
@@ -69,23 +74,9 @@ class RunWriter(NullRunWriter):
             save_atomic(state, self.run_dir / "checkpoints" / "best.pt")
 
     def finish(self, metrics: dict[str, Any]) -> None:
-        """Final metrics: as TensorBoard hyper-parameter results, and as metrics.json (written atomically)."""
-        hparams = {
-            key: value for key, value in _flatten(self.config).items() if not key.startswith(("output_dir", "log_file"))
-        }
-        self.logger.log_hparams(hparams, {k: v for k, v in metrics.items() if "/" in k and v is not None})
-        self.logger.close()
+        """Final metrics: to the loggers, and as metrics.json (written atomically)."""
+        metrics = {**metrics, "model/params": self.num_params}
+        self.logger.finish(metrics)
         tmp = self.run_dir / "metrics.json.tmp"
         tmp.write_text(json.dumps(metrics, indent=2) + "\n")
         os.replace(tmp, self.run_dir / "metrics.json")
-
-
-def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
-    """{"optimizer": {"lr": 0.1}} -> {"optimizer.lr": 0.1}; lists become strings (TensorBoard takes scalars)."""
-    if isinstance(node, dict):
-        flat: dict[str, Any] = {}
-        for key, value in node.items():
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        return flat
-    value = str(node) if isinstance(node, (list, tuple)) or node is None else node
-    return {prefix.rstrip("."): value}
