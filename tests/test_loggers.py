@@ -3,7 +3,6 @@ final metrics, parameter count, run directory), read back through each tool's ow
 one line before training."""
 
 import json
-import logging
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from tracking_stores import (
     isolate_wandb,
     mlflow_history,
     mlflow_runs,
+    rejected_in_process,
     wandb_runs,
 )
 
@@ -129,18 +129,7 @@ def test_parameter_count(logged):
 
 @pytest.fixture
 def reject(train_in_process, tmp_path, caplog):
-    """reject(*overrides) -> the one error line of a run refused as bad input, after checking it wrote nothing."""
-
-    def run(*overrides: str) -> str:
-        with pytest.raises(SystemExit) as exit_info:
-            train_in_process(*overrides)
-        assert exit_info.value.code == 2
-        errors = [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR]
-        assert len(errors) == 1, errors
-        assert [list(path.iterdir()) for path in tmp_path.iterdir() if path.is_dir()] == [[]]  # the run dir: empty
-        return errors[0]
-
-    return run
+    return lambda *overrides: rejected_in_process(train_in_process, tmp_path, caplog, *overrides)
 
 
 @pytest.mark.parametrize("package", ["wandb", "mlflow"])

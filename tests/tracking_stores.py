@@ -1,12 +1,14 @@
 """Reading back what the loggers wrote, through each tool's own format: W&B's offline run files, MLflow's tracking
-client, TensorBoard's event files and HParams plugin data."""
+client, TensorBoard's event files and HParams plugin data; and a bad-input check for runs in the test's process."""
 
 import csv
 import json
+import logging
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import metadata as hparams_metadata
 
@@ -143,3 +145,15 @@ def event_files(run_dir: Path) -> list[str]:
     """Every event file under the run's tensorboard/ folder, sub-folders included, relative to it."""
     root = Path(run_dir) / "tensorboard"
     return sorted(str(path.relative_to(root)) for path in root.rglob("events.out.tfevents.*"))
+
+
+def rejected_in_process(train_in_process, tmp_path: Path, caplog, *overrides: str) -> str:
+    """The one error line of a `train_in_process` run refused as bad input (exit code 2), after checking that its
+    run directory stayed empty."""
+    with pytest.raises(SystemExit) as exit_info:
+        train_in_process(*overrides)
+    assert exit_info.value.code == 2
+    errors = [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR]
+    assert len(errors) == 1, errors
+    assert [list(path.iterdir()) for path in tmp_path.iterdir() if path.is_dir()] == [[]]
+    return errors[0]
