@@ -160,9 +160,12 @@ def importable(function: Callable) -> Callable:
     """`function` as spawned ranks can unpickle it: by its module and name. Under `python src/train.py` that is
     `__main__`, which each rank re-runs. A worker of hydra/launcher=joblib (or submitit) got this file's functions by
     value from cloudpickle, and its `__main__` is the launcher's: there the ranks import this file as the module
-    `train` (src/ is on their sys.path, inherited from the command that ran this file)."""
+    `train`, from its folder, which spawned processes find on the sys.path they inherit."""
     if getattr(sys.modules["__main__"], function.__name__, None) is function:
         return function
+    folder = str(Path(__file__).resolve().parent)
+    if folder not in sys.path:
+        sys.path.append(folder)
     return getattr(importlib.import_module(Path(__file__).stem), function.__name__)
 
 
