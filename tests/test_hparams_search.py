@@ -119,7 +119,8 @@ def test_two_trials_under_ddp(run_train, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_stored_study_resumes(run_train, tmp_path, monkeypatch):
+@pytest.mark.filterwarnings("ignore:Deprecated API features detected")  # SQLAlchemy 1.4 on optuna 2's use of it
+def test_a_stored_study_resumes(run_train, tmp_path):
     """hydra.sweeper.storage=sqlite:///...: a second search on the same study continues it. Its trials are numbered on
     from the first search's, and its best is the best of all trials, the first search's included."""
     storage = f"sqlite:///{tmp_path / 'study.db'}"
@@ -134,7 +135,6 @@ def test_a_stored_study_resumes(run_train, tmp_path, monkeypatch):
             f"hydra.sweep.dir={sweep_dir}",
         )
         assert run.returncode == 0, run.output
-    monkeypatch.setenv("SQLALCHEMY_SILENCE_UBER_WARNING", "1")  # SQLAlchemy 1.4 on optuna 2's use of it
     import optuna
 
     study = optuna.load_study(study_name="mnist1d_mlp", storage=storage)
