@@ -155,6 +155,12 @@ def test_tracking_database_that_cannot_be_made(reject, tmp_path):
     blocker.unlink()
 
 
+def test_folder_store(reject, monkeypatch, tmp_path):
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    error = reject("logger=mlflow", f"logger.mlflow.tracking_uri={tmp_path / 'mlruns'}")
+    assert error.startswith(f"logger.mlflow.tracking_uri={tmp_path / 'mlruns'}: a folder store, which MLflow 3 refuses")
+
+
 def test_unknown_logger_option(run_train, tmp_path):
     """Like any unknown group option, refused by Hydra while composing, before the run directory exists."""
     run = run_train("logger=[tensorboard,neptune]", run_dir=tmp_path / "never")

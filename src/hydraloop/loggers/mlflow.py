@@ -104,6 +104,11 @@ def _checked_uri(uri: str) -> str:
             raise ConfigError(
                 f".tracking_uri={uri}: no MLflow server answers at {parsed.hostname}:{port} ({error.strerror or error})"
             ) from None
+    if parsed.scheme in ("", "file") and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() != "true":
+        raise ConfigError(
+            f".tracking_uri={uri}: a folder store, which MLflow 3 refuses unless MLFLOW_ALLOW_FILE_STORE=true; "
+            "use a database, e.g. sqlite:///mlflow.db"
+        )
     if uri.startswith("sqlite:///"):
         path = Path(uri.removeprefix("sqlite:///")).resolve()
         existing = next(parent for parent in path.parents if parent.exists())
