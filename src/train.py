@@ -14,8 +14,12 @@ import gc
 gc.disable()
 
 import atexit
+import importlib
 import logging
+import sys
 import traceback
+from collections.abc import Callable
+from pathlib import Path
 
 import hydra
 import torch
@@ -35,8 +39,10 @@ from hydraloop.errors import (
     exit_on_error,
     unwrap_instantiation,
 )
+from hydraloop.loggers import JobInfo, build_logger
 from hydraloop.parallel.cluster import export_submitit_rank_env
 from hydraloop.parallel.single import SingleDevice
+from hydraloop.parallel.sweep_share import take_machine_share
 from hydraloop.precision import Precision
 from hydraloop.preemption import StopRequest
 from hydraloop.rank_logging import setup_rank_logging
@@ -52,13 +58,13 @@ log = logging.getLogger("hydraloop.train")
 register_configs()
 
 
-def train(cfg: DictConfig) -> dict:
+def train(cfg: DictConfig, job: JobInfo) -> dict:
     """One rank's work. Returns the final metrics, which are global (reduced over ranks), so equal on all."""
     strategy = instantiate(cfg.parallel, device=cfg.device)
     setup_rank_logging(strategy.rank, cfg.log_file)
     try:
         strategy.setup()
-        metrics = build_and_run(cfg, strategy)
+        metrics = build_and_run(cfg, strategy, job)
     except Exception as error:
         # The process group is torn down at exit, once the launcher has this rank's error on record: the other ranks'
         # collectives fail only then, so the launcher names this rank, not one of them, as the first to fail.
@@ -76,7 +82,7 @@ def train(cfg: DictConfig) -> dict:
     return metrics
 
 
-def build_and_run(cfg: DictConfig, strategy: SingleDevice) -> dict:
+def build_and_run(cfg: DictConfig, strategy: SingleDevice, job: JobInfo) -> dict:
     """Builds data, model, optimizer and run writer from the config, then trains or evaluates.
 
     A function of its own so that all it builds is freed on return, while the process group still exists. A DDP
@@ -105,6 +111,7 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice) -> dict:
 
     seed_everything(cfg.seed)  # the same on every rank: DDP starts from the weights single-process starts from
     model = instantiate(cfg.model)
+    num_params = sum(parameter.numel() for parameter in model.parameters())  # before a strategy shards it
     if cfg.trainer.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if cfg.trainer.compile:
@@ -126,12 +133,14 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice) -> dict:
     writer = (
         RunWriter(
             cfg.output_dir,
-            instantiate(cfg.logger, log_dir=f"{cfg.output_dir}/tensorboard"),
+            build_logger(cfg.logger),
             config,
             save_checkpoints=cfg.trainer.save_checkpoints and cfg.mode == "train",
             profile=cfg.trainer.profile,
             keep_last_k=cfg.trainer.keep_last_k,
             start_step=state.global_step,
+            num_params=num_params,
+            job=job,
         )
         if strategy.is_main_process
         else NullRunWriter()
@@ -158,6 +167,19 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice) -> dict:
     return metrics
 
 
+def importable(function: Callable) -> Callable:
+    """`function` as spawned ranks can unpickle it: by its module and name. Under `python src/train.py` that is
+    `__main__`, which each rank re-runs. A worker of hydra/launcher=joblib (or submitit) got this file's functions by
+    value from cloudpickle, and its `__main__` is the launcher's: there the ranks import this file as the module
+    `train`, from its folder, which spawned processes find on the sys.path they inherit."""
+    if getattr(sys.modules["__main__"], function.__name__, None) is function:
+        return function
+    folder = str(Path(__file__).resolve().parent)
+    if folder not in sys.path:
+        sys.path.append(folder)
+    return getattr(importlib.import_module(Path(__file__).stem), function.__name__)
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> float:
     """Checks the config, starts the ranks, and returns `optimized_metric` to Hydra's sweepers."""
@@ -166,6 +188,7 @@ def main(cfg: DictConfig) -> float:
         # Resolved here, where Hydra's resolvers work: worker processes get plain values and never touch Hydra.
         cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True), flags={"struct": True})
         export_submitit_rank_env()  # under hydra/launcher=slurm, this process may be one rank of a job
+        take_machine_share()  # under hydra/launcher=joblib: this job's GPUs and cores, before CUDA is asked
         strategy = instantiate(cfg.parallel, device=cfg.device)
         setup_rank_logging(strategy.rank, cfg.log_file)  # under torchrun or SLURM every rank runs main: log once
         # The launcher of spawned ranks, or rank 0 where every rank runs main, owns the run directory; a directory
@@ -173,11 +196,12 @@ def main(cfg: DictConfig) -> float:
         with owned_run_directory(cfg.output_dir, cfg.log_file, owner=strategy.is_main_process):
             check_config(cfg, strategy.world_size)
             strategy.check(cfg)
+            build_logger(cfg.logger)  # its settings and package, checked before any rank starts; writes nothing yet
             ckpt_path = checkpoint_to_resume(cfg, report=strategy.is_main_process)
             if ckpt_path:
                 check_resumable(ckpt_path, cfg)
             log.info("run directory: %s\n%s", cfg.output_dir, OmegaConf.to_yaml(cfg).rstrip())
-            metrics = strategy.launch(train, cfg)
+            metrics = strategy.launch(importable(train), cfg, JobInfo.from_hydra())
     log.info("final metrics: %s", {k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()})
     return metrics[cfg.optimized_metric]
 

@@ -151,3 +151,13 @@ def train_in_process(tmp_path, monkeypatch, data_cache):
         return json.loads((run_dir / "metrics.json").read_text()), run_dir
 
     return run
+
+
+@pytest.fixture(scope="session")
+def mlflow_uri(tmp_path_factory) -> str:
+    """One MLflow database for the session's logger=mlflow runs: making one runs MLflow's table migrations (~9 s)."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+    MlflowClient(uri)
+    return uri

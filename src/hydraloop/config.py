@@ -86,6 +86,11 @@ class DataConfig:
     without a DataLoader (for data sets that fit in device memory; ignores num_workers)."""
     prefetch_factor: int | None = None
     """Batches each DataLoader worker loads ahead; null: PyTorch's default (2). Needs num_workers > 0."""
+    num_folds: int | None = None
+    """k-fold cross-validation: split the data set's pool into this many folds (stratified by class) and validate
+    on fold `fold`; `-m data.fold=0,1,...` runs them all. null: the data set's own train/val split."""
+    fold: int = 0
+    """The validation fold, in [0, num_folds)."""
     dataset: Any = MISSING
     """`_target_` returning (train, val) datasets, with its own keys."""
 
@@ -288,6 +293,21 @@ def check_config(cfg: Any, world_size: int) -> None:
     _require(metric in VAL_METRICS, f"optimized_metric={metric}: must be one of {', '.join(VAL_METRICS)}")
     mode = cfg.optimized_metric_mode
     _require(mode in ("max", "min"), f"optimized_metric_mode={mode}: must be max or min")
+    _check_folds(cfg.data)
+
+
+def _check_folds(data: Any) -> None:
+    num_folds, fold = data.num_folds, data.fold
+    if num_folds is None:
+        _require(fold == 0, f"data.fold={fold}: needs data.num_folds (k-fold cross-validation)")
+        return
+    _require(num_folds >= 2, f"data.num_folds={num_folds}: must be at least 2, or null for no k-fold")
+    _require(0 <= fold < num_folds, f"data.fold={fold}: must be in [0, data.num_folds={num_folds})")
+    _require(
+        "num_folds" in data.dataset,
+        f"data.num_folds={num_folds}: the data set {data.dataset.get('_target_')} takes no num_folds "
+        "(see hydraloop.data.folds for how the in-memory data sets do k-fold)",
+    )
 
 
 def check_required(cfg: Any) -> None:

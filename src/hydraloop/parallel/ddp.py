@@ -121,9 +121,11 @@ class DDPStrategy(SingleDevice):
     def setup(self) -> None:
         super().setup()
         if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-            # Ranks share the machine's cores; without this each would start one thread per core.
+            # Ranks share the cores this process may use (its affinity: a parallel sweep's share, a taskset);
+            # without this each would start one thread per core.
             local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            torch.set_num_threads(max(1, cores // local_world_size))
         dist.init_process_group(
             self.backend,
             store=_attempt_store(self.timeout),
