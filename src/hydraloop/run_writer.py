@@ -35,6 +35,75 @@ class NullRunWriter:
         pass
 
     def finish(self, metrics: dict[str, Any]) -> None:
+        pass
+
+
+class RunWriter(NullRunWriter):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        logger: NullLogger,
+        config: dict[str, Any],
+        save_checkpoints: bool,
+        profile: bool,
+        keep_last_k: int = 2,
+        start_step: int = 0,
+        num_params: int = 0,
+        job: JobInfo | None = None,
+    ) -> None:
+        """`keep_last_k`: step-named checkpoints kept beside last.pt; `start_step`: the step this run resumed from
+        (0: from scratch), which separates this run's line of checkpoints from one it abandoned (see
+        `_keep_last_k`); `num_params`: the model's parameter count; `job`: the Hydra job's overrides and multirun,
+        if any."""
+        self.run_dir = Path(run_dir)
+        self.checkpoint_dir = self.run_dir / "checkpoints"
+        self.logger = logger
+        self.save_checkpoints = save_checkpoints
+        self.profile = profile
+        self.keep_last_k = keep_last_k
+        self.start_step = start_step
+        self.saved_steps: set[int] = set()
+        self.num_params = num_params
+        with self._logger_errors():
+            logger.start(RunInfo(self.run_dir, config, num_params, job or JobInfo()))
+
+    def progress(self, total_steps: int, done_steps: int) -> AbstractContextManager[tqdm]:
+        return progress_bar(total_steps, done_steps)
+
+    def profiler(self) -> AbstractContextManager:
+        return step_profiler(self.run_dir / "tensorboard" / "profiler") if self.profile else NullProfiler()
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        with self._logger_errors():
+            self.logger.log_metrics(metrics, step)
+
+    def save_checkpoint(self, make_state: Callable[[], dict[str, Any]], is_best: bool) -> None:
+        """checkpoints/step-<global step>.pt, and last.pt as a second name of it (a hard link: no extra write or
+        space); best.pt a third when the optimized metric improved. Then only the newest `keep_last_k` step-named
+        ones stay. A write that fails leaves last.pt and best.pt as they were."""
+        if not self.save_checkpoints:
+            return
+        state = make_state()
+        step = state["global_step"]
+        saved = step_checkpoint(self.checkpoint_dir, step)
+        save_atomic(state, saved, KEPT)
+        self.saved_steps.add(step)
+        link_atomic(saved, self.checkpoint_dir / "last.pt", KEPT)
+        if is_best:
+            link_atomic(saved, self.checkpoint_dir / "best.pt", KEPT)
+        self._keep_last_k()
+
+    def _keep_last_k(self) -> None:
+        """Removes all but the newest `keep_last_k` step-named checkpoints of this run's line: those this run saved
+        and those up to the step it resumed from. Newer ones belong to a line it abandoned (resume=false, or a last.pt
+        that could not be read): they go too, so that "newest" always means this line's newest. The data of a removed
+        one that is still last.pt or best.pt stays under that name."""
+        found = step_checkpoints(self.checkpoint_dir)
+        line = sorted(step for step in found if step <= self.start_step or step in self.saved_steps)
+        for step in found.keys() - set(line[-self.keep_last_k :]):
+            remove(found[step])
+
+    def finish(self, metrics: dict[str, Any]) -> None:
         """Final metrics: to the loggers, and as metrics.json (written atomically)."""
         metrics = {**metrics, "model/params": self.num_params}
         with self._logger_errors():
