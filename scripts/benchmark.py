@@ -8,7 +8,8 @@
     in several fresh processes.
 (b) Start-up: `python src/train.py` up to its first training step (one step, one validation batch) against
     `python -c "import torch"`.
-(c) parallel=ddp with 1 and 2 processes against parallel=single, as whole commands.
+(c) parallel=dataparallel and parallel=ddp with 1 and 2 processes (`--ddp-procs`) against parallel=single, as whole
+    commands.
 
 Prints a table and writes the figures as JSON. Medians throughout; (a)'s ratio is the median over processes of
 each process's median ratio of back-to-back pairs, the others are ratios of medians measured in this run.
@@ -274,8 +275,8 @@ def ddp_scaling(args) -> list[dict]:
     ]
     variants = {
         "single": ["parallel=single"],
-        "ddp x1": ["parallel=ddp", "parallel.nproc_per_node=1"],
-        "ddp x2": ["parallel=ddp", "parallel.nproc_per_node=2"],
+        "dataparallel": ["parallel=dataparallel"],
+        **{f"ddp x{n}": ["parallel=ddp", f"parallel.nproc_per_node={n}"] for n in args.ddp_procs},
     }
     results = {label: {"wall_s": [], "samples_per_s": []} for label in variants}
     with tempfile.TemporaryDirectory() as tmp:
@@ -309,6 +310,7 @@ def main() -> None:
     parser.add_argument("--precision", default="32", choices=["32", "bf16", "fp16"])
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "benchmark.json")
     parser.add_argument("--skip", nargs="*", default=[], choices=["loop", "startup", "ddp"])
+    parser.add_argument("--ddp-procs", nargs="+", type=int, default=[1, 2], help="(c): parallel=ddp with these many")
     args = parser.parse_args()
     register_configs()
     device = torch.device(
@@ -356,10 +358,10 @@ def main() -> None:
     if "ddp" not in args.skip:
         report["ddp"] = ddp_scaling(args)
         print("\n(c) parallel strategies (whole command; loop samples/s from metrics.json)")
-        print(f"{'variant':<10}{'wall s':>9}{'samples/s':>12}{'vs single':>11}")
+        print(f"{'variant':<14}{'wall s':>9}{'samples/s':>12}{'vs single':>11}")
         for row in report["ddp"]:
             print(
-                f"{row['variant']:<10}{row['wall_s']:>9.2f}{row['samples_per_s']:>12.0f}{row['ratio_vs_single']:>11.3f}"
+                f"{row['variant']:<14}{row['wall_s']:>9.2f}{row['samples_per_s']:>12.0f}{row['ratio_vs_single']:>11.3f}"
             )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")

@@ -1,64 +1,49 @@
 #!/usr/bin/env bash
-# The prepared GPU check (issue: speed, item 8): one command for a machine lent for a few minutes.
+# The GPU check: one command for a GPU machine lent for a few minutes, which may be offline and come with a CUDA
+# PyTorch already installed. About 6 minutes on one modern GPU (scripts/gpu_check.py lists the steps).
 #
-#   bash scripts/gpu_check.sh [OUT_DIR]          # default outputs/gpu_check; about 5 minutes on one GPU
-#   DEVICE=cpu EPOCHS=1 bash scripts/gpu_check.sh  # a dry run of the script itself on a CPU machine
+#   bash scripts/gpu_check.sh [OUT_DIR] [--device cuda|cpu] [--budget-s 340]   # OUT_DIR: outputs/gpu_check
+#   bash scripts/gpu_check.sh outputs/gpu_dry_run --device cpu                 # a dry run of every step, on the CPU
 #
-# Runs the CUDA-only tests, the benchmark in fp32 and bf16, and whole training runs of the MNIST-1D CNN for
-# parallel=single, dataparallel, ddp (one GPU, nccl) and fsdp, each in fp32 and bf16 with compile off and on.
-# Everything it prints goes to OUT_DIR/gpu_check.log, next to the benchmark's JSON and one folder per run.
-set -uo pipefail # no -e: a failing part must not hide the figures of the others
+# It uses the PyTorch it finds and never installs or replaces one: $PYTHON if set, else .venv/bin/python when the
+# project's venv exists, else python3 (a GPU image's own). hydraloop itself runs from src/ (no install). What else it
+# needs and the machine lacks, it installs, without dependencies, into OUT_DIR/site from a folder of wheels, $WHEELS
+# (default wheels/). Fill that folder on a machine with network, for the GPU machine's Python version:
+#
+#   python3 -m pip wheel --no-deps -w wheels hydra-core==1.3.2 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 \
+#       mnist1d==0.0.2.post1 tqdm pytest pluggy iniconfig pygments
+#
+# (all pure Python, so any Python 3 builds them; antlr4-python3-runtime comes only as source, which `pip wheel` builds).
+# numpy, scipy, scikit-learn, matplotlib, requests, PyYAML and packaging are expected on the machine, as they are on
+# CUDA PyTorch images. Exits non-zero only when a step failed.
+set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:-outputs/gpu_check}
-device=${DEVICE:-cuda}
-epochs=${EPOCHS:-3}
-mkdir -p "$out/runs"
-exec > >(tee "$out/gpu_check.log") 2>&1
+out=outputs/gpu_check
+[ $# -gt 0 ] && [ "${1#-}" = "$1" ] && { out=$1; shift; }
+mkdir -p "$out"
 
-echo "== machine ($(date -u +%FT%TZ))"
-python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
-      torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device')"
-[ "$device" = cuda ] && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+if [ -n "${PYTHON:-}" ]; then python=$PYTHON
+elif [ -x .venv/bin/python ]; then python=.venv/bin/python
+else python=python3
+fi
+"$python" -c "import torch" 2>/dev/null || { echo "gpu_check: $python has no torch: set PYTHON to one that has" >&2; exit 1; }
 
-echo "== CUDA-only tests (skipped without CUDA)"
-python -m pytest -q -p no:cacheprovider tests/test_speed_features.py -k cuda
-
-echo "== benchmark, fp32 (loop, start-up, ddp) and bf16 (loop)"
-python scripts/benchmark.py --device "$device" --precision 32 --out "$out/benchmark_fp32.json"
-python scripts/benchmark.py --device "$device" --precision bf16 --skip startup ddp --out "$out/benchmark_bf16.json"
-
-echo "== whole runs: MNIST-1D CNN, $epochs epochs; samples/s is the median of the last epoch's logging intervals"
-printf '%-13s %-5s %-8s %10s %9s %8s %7s\n' strategy prec compile samples/s wall_s val/acc exit
-for strategy in single dataparallel ddp fsdp; do
-    for precision in 32 bf16; do
-        for compile in false true; do
-            name=$strategy-$precision-compile_$compile
-            python src/train.py "parallel=$strategy" "device=$device" "trainer.precision=$precision" \
-                "trainer.compile=$compile" data=mnist1d model=cnn "trainer.max_epochs=$epochs" logger=none \
-                trainer.save_checkpoints=false "hydra.run.dir=$out/runs/$name" >"$out/runs/$name.log" 2>&1
-            status=$?
-            python - "$out/runs/$name" "$strategy" "$precision" "$compile" "$epochs" "$status" <<'EOF'
-import json, re, statistics, sys
-from pathlib import Path
-
-run, strategy, precision, compile_, epochs, status = sys.argv[1:]
-metrics_file = Path(run) / "metrics.json"
-if not metrics_file.exists():
-    print(f"{strategy:<13} {precision:<5} {compile_:<8} {'-':>10} {'-':>9} {'-':>8} {status:>7}")
-    sys.exit()
-metrics = json.loads(metrics_file.read_text())
-last_epoch = [
-    float(m.group(1))
-    for line in (Path(run) / "train.log").read_text().splitlines()
-    if f"epoch {epochs} step" in line and (m := re.search(r"\| ([\d.]+) samples/s", line))
-]
-rate = statistics.median(last_epoch) if last_epoch else float("nan")
-print(
-    f"{strategy:<13} {precision:<5} {compile_:<8} {rate:>10.0f} {metrics['wall_time_s']:>9.2f}"
-    f" {metrics['val/acc']:>8.4f} {status:>7}"
-)
+# Import name and distribution of each package the steps need beyond torch and what GPU images carry.
+needed="hydra:hydra-core omegaconf:omegaconf antlr4:antlr4-python3-runtime mnist1d:mnist1d tqdm:tqdm pytest:pytest"
+missing=$("$python" - $needed <<'EOF'
+import importlib.util, sys
+print(" ".join(dist for module, dist in (arg.split(":") for arg in sys.argv[1:]) if not importlib.util.find_spec(module)))
 EOF
-        done
-    done
-done
-echo "== done: $out"
+)
+site=$(cd "$out" && pwd)/site
+if [ -n "$missing" ]; then
+    wheels=${WHEELS:-wheels}
+    echo "gpu_check: installing $missing from $wheels into $site (no dependencies, no network)"
+    [ "$missing" != "${missing/pytest/}" ] && missing="$missing pluggy iniconfig pygments"
+    "$python" -m pip install --quiet --no-index --no-deps --find-links "$wheels" --target "$site" $missing || {
+        echo "gpu_check: could not install $missing from $wheels: fill it with the pip wheel command at the top of $0" >&2
+        exit 1
+    }
+fi
+export PYTHONPATH="$PWD/src:$PWD:$site${PYTHONPATH:+:$PYTHONPATH}"
+exec "$python" scripts/gpu_check.py "$out" "$@"

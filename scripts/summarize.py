@@ -10,6 +10,10 @@ running) are skipped with a note on stderr. Writes into the multirun folder (or 
 - `summary.csv`: the same rows with every key of metrics.json, values exactly as the jobs wrote them;
 - `val_curves.png`: val/acc and val/loss against the optimizer step, one line per job, read from the job's
   TensorBoard event files; a job without events (logger=none) shows as one point, its final metrics.
+
+A k-fold sweep (`-m data.num_folds=5 data.fold=0,1,2,3,4 ...`) also gets, per configuration (a job's overrides
+less `data.fold`), the mean and standard deviation over its folds: a second table, and a figure of one mean curve
+per configuration with a band of one standard deviation either side.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import csv
 import json
 import math
 import re
+import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +32,7 @@ from typing import Any
 import yaml
 
 TABLE_METRICS = ("val/acc", "val/loss", "train/loss", "epoch", "wall_time_s")
+FOLD_METRICS = ("val/acc", "val/loss", "train/loss")
 CURVES = (("val/acc", "validation accuracy"), ("val/loss", "validation loss"))
 
 
@@ -38,9 +44,25 @@ class Job:
     metrics: dict[str, Any]
     optimized_metric: str
     mode: str
+    fold: int | None = None
     label: str = ""
     curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     from_events: bool = False
+
+
+@dataclass
+class Configuration:
+    """The folds of one configuration in a k-fold sweep."""
+
+    label: str
+    jobs: list[Job]
+
+    def mean_std(self, key: str) -> tuple[float, float | None] | None:
+        """Mean and sample standard deviation over the folds (None with one fold); None if no fold has `key`."""
+        values = [job.metrics[key] for job in self.jobs if isinstance(job.metrics.get(key), (int, float))]
+        if not values:
+            return None
+        return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,12 +90,16 @@ def main(argv: list[str] | None = None) -> int:
     for job in jobs:
         read_curves(job)
 
+    configurations = group_folds(jobs, metric, mode)
+
     out: Path = args.out or sweep_dir
     out.mkdir(parents=True, exist_ok=True)
     markdown = render_markdown(sweep_dir, jobs, metric, mode, common, skipped=len(job_dirs) - len(jobs))
+    if configurations:
+        markdown += render_folds(configurations, metric, mode)
     (out / "summary.md").write_text(markdown)
     write_csv(out / "summary.csv", jobs)
-    plot_curves(out / "val_curves.png", sweep_dir, jobs, metric, mode)
+    plot_curves(out / "val_curves.png", sweep_dir, jobs, metric, mode, configurations)
     print(markdown, end="")
     print(f"\nwrote {out / 'summary.md'}, {out / 'summary.csv'}, {out / 'val_curves.png'}", file=sys.stderr)
     return 0
@@ -96,6 +122,7 @@ def read_job(path: Path) -> Job | None:
         metrics=json.loads(metrics_file.read_text()),
         optimized_metric=str(config.get("optimized_metric", "val/acc")),
         mode=str(config.get("optimized_metric_mode", "max")),
+        fold=(config.get("data") or {}).get("fold") if (config.get("data") or {}).get("num_folds") else None,
     )
 
 
@@ -155,20 +182,41 @@ def label_jobs(jobs: list[Job]) -> list[str]:
     return [item for item in jobs[0].overrides if item in shared]
 
 
-def legend_labels(jobs: list[Job], width: int = 90) -> list[str]:
-    """Shorter labels for the legend: `optimizer.lr=0.006511539963572568` -> `lr=0.006512` (the key's last part
-    where that is unambiguous; floats to 4 significant digits), cut at `width` characters."""
-    keys = {item.split("=", 1)[0] for job in jobs for item in job.label.split() if "=" in item}
+def group_folds(jobs: list[Job], metric: str, mode: str) -> list[Configuration]:
+    """A k-fold sweep's jobs by configuration, best mean first; [] if no job ran k-fold. Labels are the overrides
+    (less `data.fold`) that differ between configurations."""
+    if all(job.fold is None for job in jobs):
+        return []
+    groups: dict[tuple[str, ...], list[Job]] = {}
+    for job in sorted(jobs, key=lambda job: int(job.name)):
+        groups.setdefault(tuple(item for item in job.overrides if not item.startswith("data.fold=")), []).append(job)
+    shared = set.intersection(*map(set, groups)) if len(groups) > 1 else set()
+    configurations = [
+        Configuration(" ".join(item for item in key if item not in shared) or " ".join(key) or "(no overrides)", jobs)
+        for key, jobs in groups.items()
+    ]
+
+    def best_first(configuration: Configuration) -> tuple[bool, float]:
+        stats = configuration.mean_std(metric)
+        return stats is None, 0.0 if stats is None else (-stats[0] if mode == "max" else stats[0])
+
+    return sorted(configurations, key=best_first)
+
+
+def legend_labels(named: list[tuple[str, str]], width: int = 90) -> list[str]:
+    """Shorter legend labels for (name, label) pairs: `optimizer.lr=0.006511539963572568` -> `lr=0.006512` (the key's
+    last part where that is unambiguous; floats to 4 significant digits), cut at `width` characters."""
+    keys = {item.split("=", 1)[0] for _, label in named for item in label.split() if "=" in item}
     last = [key.rsplit(".", 1)[-1] for key in keys]
     short = {key: key.rsplit(".", 1)[-1] if last.count(key.rsplit(".", 1)[-1]) == 1 else key for key in keys}
     labels = []
-    for job in jobs:
+    for name, label in named:
         parts = []
-        for item in job.label.split():
+        for item in label.split():
             key, sep, value = item.partition("=")
             value = re.sub(r"(?<![\w.])-?\d+\.\d{5,}(?:e-?\d+)?", lambda m: f"{float(m.group()):.4g}", value)
             parts.append(f"{short.get(key, key)}{sep}{value}")
-        text = f"{job.name}: {' '.join(parts)}"
+        text = f"{name}: {' '.join(parts)}"
         labels.append(text if len(text) <= width else text[: width - 1] + "…")
     return labels
 
@@ -207,6 +255,25 @@ def render_markdown(sweep_dir: Path, jobs: list[Job], metric: str, mode: str, co
     return "\n".join(lines) + "\n"
 
 
+def render_folds(configurations: list[Configuration], metric: str, mode: str) -> str:
+    lines = [
+        "",
+        "## Cross-validation: mean ± standard deviation over folds",
+        "",
+        f"{len(configurations)} configuration(s), best first by the mean of `{metric}` ({mode}).",
+        "",
+        "| configuration | folds | " + " | ".join(FOLD_METRICS) + " |",
+        "|---|---:|" + "---:|" * len(FOLD_METRICS),
+    ]
+    for configuration in configurations:
+        cells = [f"`{configuration.label}`".replace("|", "\\|"), str(len(configuration.jobs))]
+        for key in FOLD_METRICS:
+            stats = configuration.mean_std(key)
+            cells.append("-" if stats is None else fmt(stats[0]) + ("" if stats[1] is None else f" ± {fmt(stats[1])}"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def write_csv(path: Path, jobs: list[Job]) -> None:
     """Every metrics.json key (the table's first), values as written: json floats round-trip through repr."""
     extra = sorted({key for job in jobs for key in job.metrics} - set(TABLE_METRICS))
@@ -220,25 +287,34 @@ def write_csv(path: Path, jobs: list[Job]) -> None:
             writer.writerow({key: "" if value is None else value for key, value in row.items()})
 
 
-def plot_curves(path: Path, sweep_dir: Path, jobs: list[Job], metric: str, mode: str) -> None:
+def plot_curves(
+    path: Path, sweep_dir: Path, jobs: list[Job], metric: str, mode: str, configurations: list[Configuration]
+) -> None:
+    """One line per job; for a k-fold sweep, one mean line per configuration with a band of one standard deviation."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = legend_labels(jobs)
-    columns = 1 if len(jobs) <= 8 else 2
-    legend_rows = -(-len(jobs) // columns)
+    if configurations:
+        series = [fold_curves(configuration) for configuration in configurations]
+        labels = legend_labels([(f"{len(c.jobs)} folds", c.label) for c in configurations])
+        legend_title = f"folds: configuration, mean ± std (best first by mean {metric}, {mode})"
+    else:
+        series = [{tag: (*zip(*job.curves[tag]), None) for tag in job.curves} for job in jobs]
+        labels = legend_labels([(job.name, job.label) for job in jobs])
+        legend_title = f"job: overrides (best first by {metric}, {mode})"
+    columns = 1 if len(series) <= 8 else 2
+    legend_rows = -(-len(series) // columns)
     fig, axes = plt.subplots(1, len(CURVES), figsize=(14, 4.5 + 0.2 * legend_rows), constrained_layout=True)
-    colors = plt.get_cmap("viridis" if len(jobs) > 10 else "tab10")
-    for index, (job, label) in enumerate(zip(jobs, labels)):  # best first: first colour, thicker line
-        color = colors(index / max(1, len(jobs) - 1)) if len(jobs) > 10 else colors(index % 10)
+    colors = plt.get_cmap("viridis" if len(series) > 10 else "tab10")
+    for index, (curves, label) in enumerate(zip(series, labels)):  # best first: first colour, thicker line
+        color = colors(index / max(1, len(series) - 1)) if len(series) > 10 else colors(index % 10)
         for ax, (tag, _) in zip(axes, CURVES):
-            points = job.curves.get(tag)
-            if not points:
+            if tag not in curves:
                 continue
-            steps, values = zip(*points)
-            marker = "o" if len(points) == 1 else ("." if len(points) <= 30 else None)
+            steps, values, stds = curves[tag]
+            marker = "o" if len(steps) == 1 else ("." if len(steps) <= 30 else None)
             ax.plot(
                 steps,
                 values,
@@ -246,8 +322,13 @@ def plot_curves(path: Path, sweep_dir: Path, jobs: list[Job], metric: str, mode:
                 linewidth=2.4 if index == 0 else 1.2,
                 marker=marker,
                 label=label,
-                zorder=len(jobs) - index,
+                zorder=len(series) - index,
             )
+            if stds is not None:  # one standard deviation: bars at the points, a band between them
+                ax.errorbar(steps, values, yerr=stds, fmt="none", ecolor=color, capsize=3, zorder=len(series) - index)
+                low = [value - std for value, std in zip(values, stds)]
+                high = [value + std for value, std in zip(values, stds)]
+                ax.fill_between(steps, low, high, color=color, alpha=0.15, linewidth=0)
     for ax, (tag, title) in zip(axes, CURVES):
         ax.set_title(title)
         ax.set_xlabel("optimizer step")
@@ -256,21 +337,28 @@ def plot_curves(path: Path, sweep_dir: Path, jobs: list[Job], metric: str, mode:
     handles, labels = axes[0].get_legend_handles_labels()
     if not handles:
         handles, labels = axes[1].get_legend_handles_labels()
-    fig.legend(
-        handles,
-        labels,
-        loc="outside lower center",
-        ncols=columns,
-        fontsize=8,
-        title=f"job: overrides (best first by {metric}, {mode})",
-        title_fontsize=8,
-    )
+    fig.legend(handles, labels, loc="outside lower center", ncols=columns, fontsize=8, title=legend_title)
     title = f"Validation curves: {'/'.join(sweep_dir.resolve().parts[-2:])}"
     if not all(job.from_events for job in jobs):
         title += "\n(single points: the final metrics.json of jobs without TensorBoard events, e.g. logger=none)"
     fig.suptitle(title)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def fold_curves(configuration: Configuration) -> dict[str, tuple[list[float], list[float], list[float]]]:
+    """Per curve: the folds' n-th points averaged (step and value), and the values' standard deviation."""
+    curves = {}
+    for tag, _ in CURVES:
+        folds = [job.curves[tag] for job in configuration.jobs if job.curves.get(tag)]
+        if not folds:
+            continue
+        points = [[fold[n] for fold in folds] for n in range(min(map(len, folds)))]
+        steps = [statistics.fmean(step for step, _ in point) for point in points]
+        values = [[value for _, value in point] for point in points]
+        stds = [statistics.stdev(vs) if len(vs) > 1 else 0.0 for vs in values]
+        curves[tag] = (steps, [statistics.fmean(vs) for vs in values], stds)
+    return curves
 
 
 if __name__ == "__main__":

@@ -14,8 +14,12 @@ import gc
 gc.disable()
 
 import atexit
+import importlib
 import logging
+import sys
 import traceback
+from collections.abc import Callable
+from pathlib import Path
 
 import hydra
 import torch
@@ -27,13 +31,23 @@ from hydraloop.backends import configure_backends
 from hydraloop.checkpoint import TrainState, check_resumable, checkpoint_to_resume, resume
 from hydraloop.config import check_config, check_required, check_task, register_configs
 from hydraloop.data.loaders import build_loaders
-from hydraloop.errors import ConfigError, Interrupted, TrainingDiverged, exit_on_error, unwrap_instantiation
+from hydraloop.errors import (
+    ConfigError,
+    Interrupted,
+    StorageError,
+    TrainingDiverged,
+    exit_on_error,
+    unwrap_instantiation,
+)
+from hydraloop.loggers import JobInfo, build_logger
 from hydraloop.parallel.cluster import export_submitit_rank_env
 from hydraloop.parallel.single import SingleDevice
+from hydraloop.parallel.sweep_share import take_machine_share
 from hydraloop.perf import Throughput, flops_per_sample, peak_flops
 from hydraloop.precision import Precision
 from hydraloop.preemption import StopRequest
 from hydraloop.rank_logging import setup_rank_logging
+from hydraloop.run_lock import owned_run_directory
 from hydraloop.run_writer import NullRunWriter, RunWriter
 from hydraloop.seeding import seed_everything
 from hydraloop.trainer import Trainer, batches_per_epoch, planned_steps
@@ -45,22 +59,23 @@ log = logging.getLogger("hydraloop.train")
 register_configs()
 
 
-def train(cfg: DictConfig) -> dict:
+def train(cfg: DictConfig, job: JobInfo) -> dict:
     """One rank's work. Returns the final metrics, which are global (reduced over ranks), so equal on all."""
     strategy = instantiate(cfg.parallel, device=cfg.device)
     setup_rank_logging(strategy.rank, cfg.log_file)
     try:
         strategy.setup()
-        metrics = build_and_run(cfg, strategy)
+        metrics = build_and_run(cfg, strategy, job)
     except Exception as error:
         # The process group is torn down at exit, once the launcher has this rank's error on record: the other ranks'
         # collectives fail only then, so the launcher names this rank, not one of them, as the first to fail.
         traceback.clear_frames(error.__traceback__)  # frees what build_and_run made first (see there)
         atexit.register(strategy.teardown)
-        # Bad input (also when a data set or model constructor rejected its arguments), a diverged loss and a stop
-        # signal: the launcher reports them as one line. Anything else is a failure, logged with its traceback.
+        # Bad input (also when a data set or model constructor rejected its arguments), a diverged loss, a failed
+        # write and a stop signal: the launcher reports them as one line. Anything else is a failure, logged with its
+        # traceback.
         cause = unwrap_instantiation(error)
-        if isinstance(cause, (ConfigError, TrainingDiverged, Interrupted)):
+        if isinstance(cause, (ConfigError, TrainingDiverged, StorageError, Interrupted)):
             raise cause from None
         log.exception("training failed")
         raise
@@ -68,7 +83,7 @@ def train(cfg: DictConfig) -> dict:
     return metrics
 
 
-def build_and_run(cfg: DictConfig, strategy: SingleDevice) -> dict:
+def build_and_run(cfg: DictConfig, strategy: SingleDevice, job: JobInfo) -> dict:
     """Builds data, model, optimizer and run writer from the config, then trains or evaluates.
 
     A function of its own so that all it builds is freed on return, while the process group still exists. A DDP
@@ -99,9 +114,9 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice) -> dict:
 
     seed_everything(cfg.seed)  # the same on every rank: DDP starts from the weights single-process starts from
     model = instantiate(cfg.model)
-    params = sum(p.numel() for p in model.parameters())
+    num_params = sum(p.numel() for p in model.parameters())  # before a strategy shards it
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    log.info("model %s: %s parameters (%s trainable)", type(model).__name__, f"{params:,}", f"{trainable:,}")
+    log.info("model %s: %s parameters (%s trainable)", type(model).__name__, f"{num_params:,}", f"{trainable:,}")
     throughput = Throughput(
         cfg.data.batch_size,
         task.tokens_per_sample,
@@ -130,10 +145,14 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice) -> dict:
     writer = (
         RunWriter(
             cfg.output_dir,
-            instantiate(cfg.logger, log_dir=f"{cfg.output_dir}/tensorboard"),
+            build_logger(cfg.logger),
             config,
             save_checkpoints=cfg.trainer.save_checkpoints and cfg.mode == "train",
             profile=cfg.trainer.profile,
+            keep_last_k=cfg.trainer.keep_last_k,
+            start_step=state.global_step,
+            num_params=num_params,
+            job=job,
         )
         if strategy.is_main_process
         else NullRunWriter()
@@ -160,9 +179,22 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice) -> dict:
     else:
         with stop_request:  # SIGTERM / SIGUSR1: checkpoint at the next logging step, then stop
             metrics = trainer.fit(train_loader, val_loader, state)
-    metrics.update({"model/params": params, "model/trainable_params": trainable})
+    metrics.update({"model/params": num_params, "model/trainable_params": trainable})
     writer.finish(metrics)
     return metrics
+
+
+def importable(function: Callable) -> Callable:
+    """`function` as spawned ranks can unpickle it: by its module and name. Under `python src/train.py` that is
+    `__main__`, which each rank re-runs. A worker of hydra/launcher=joblib (or submitit) got this file's functions by
+    value from cloudpickle, and its `__main__` is the launcher's: there the ranks import this file as the module
+    `train`, from its folder, which spawned processes find on the sys.path they inherit."""
+    if getattr(sys.modules["__main__"], function.__name__, None) is function:
+        return function
+    folder = str(Path(__file__).resolve().parent)
+    if folder not in sys.path:
+        sys.path.append(folder)
+    return getattr(importlib.import_module(Path(__file__).stem), function.__name__)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
@@ -173,16 +205,21 @@ def main(cfg: DictConfig) -> float:
         # Resolved here, where Hydra's resolvers work: worker processes get plain values and never touch Hydra.
         cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True), flags={"struct": True})
         export_submitit_rank_env()  # under hydra/launcher=slurm, this process may be one rank of a job
+        take_machine_share()  # under hydra/launcher=joblib: this job's GPUs and cores, before CUDA is asked
         strategy = instantiate(cfg.parallel, device=cfg.device)
         setup_rank_logging(strategy.rank, cfg.log_file)  # under torchrun or SLURM every rank runs main: log once
-        check_config(cfg, strategy.world_size)
-        check_task(cfg, instantiate(cfg.task))
-        strategy.check(cfg)
-        ckpt_path = checkpoint_to_resume(cfg)
-        if ckpt_path:
-            check_resumable(ckpt_path, cfg)
-        log.info("run directory: %s\n%s", cfg.output_dir, OmegaConf.to_yaml(cfg).rstrip())
-        metrics = strategy.launch(train, cfg)
+        # The launcher of spawned ranks, or rank 0 where every rank runs main, owns the run directory; a directory
+        # another live run owns, or one that cannot be written, is refused here, before anything is written into it.
+        with owned_run_directory(cfg.output_dir, cfg.log_file, owner=strategy.is_main_process):
+            check_config(cfg, strategy.world_size)
+            check_task(cfg, instantiate(cfg.task))
+            strategy.check(cfg)
+            build_logger(cfg.logger)  # its settings and package, checked before any rank starts; writes nothing yet
+            ckpt_path = checkpoint_to_resume(cfg, report=strategy.is_main_process)
+            if ckpt_path:
+                check_resumable(ckpt_path, cfg)
+            log.info("run directory: %s\n%s", cfg.output_dir, OmegaConf.to_yaml(cfg).rstrip())
+            metrics = strategy.launch(importable(train), cfg, JobInfo.from_hydra())
     log.info("final metrics: %s", {k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()})
     return metrics[cfg.optimized_metric]
 

@@ -55,14 +55,32 @@ def train_env(data_cache) -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def run_train(train_env, tmp_path_factory):
-    """run_train(*overrides, run_dir=None, timeout=180) -> Run, for `python src/train.py OVERRIDES`."""
+    """run_train(*overrides, run_dir=None, timeout=180) -> Run, for `python src/train.py OVERRIDES`.
 
-    def run(*overrides: str, run_dir: Path | None = None, timeout: float = 180, cwd: Path | None = None) -> Run:
+    `wrapper`: a command the training command is passed to (e.g. `unshare ...`); `preexec_fn`: as subprocess's.
+    """
+
+    def run(
+        *overrides: str,
+        run_dir: Path | None = None,
+        timeout: float = 180,
+        cwd: Path | None = None,
+        wrapper: tuple[str, ...] = (),
+        preexec_fn=None,
+    ) -> Run:
         run_dir = run_dir or tmp_path_factory.mktemp("run")
         flags = [arg for arg in overrides if arg.startswith("-")]  # Hydra's argparse wants -m before overrides
         overrides = [arg for arg in overrides if not arg.startswith("-")]
-        cmd = [sys.executable, str(TRAIN), *flags, f"hydra.run.dir={run_dir}", *overrides]
-        proc = subprocess.run(cmd, cwd=cwd or REPO, env=train_env, capture_output=True, text=True, timeout=timeout)
+        cmd = [*wrapper, sys.executable, str(TRAIN), *flags, f"hydra.run.dir={run_dir}", *overrides]
+        proc = subprocess.run(
+            cmd,
+            cwd=cwd or REPO,
+            env=train_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            preexec_fn=preexec_fn,
+        )
         return Run(proc.returncode, proc.stdout + proc.stderr, Path(run_dir))
 
     return run
@@ -113,7 +131,8 @@ def max_param_diff(a: dict, b: dict) -> float:
 
 @pytest.fixture
 def train_in_process(tmp_path, monkeypatch, data_cache):
-    """train_in_process(*overrides) -> (metrics, run_dir): src/train.py's task function, called directly.
+    """train_in_process(*overrides, run_dir=None) -> (metrics, run_dir): src/train.py's task function, called
+    directly; into `run_dir` (again), or a new one.
 
     For single-process behaviour where a subprocess's start-up would dominate.
     """
@@ -123,8 +142,8 @@ def train_in_process(tmp_path, monkeypatch, data_cache):
     monkeypatch.syspath_prepend(str(REPO / "src"))
     import train  # src/train.py; importing registers the schemas
 
-    def run(*overrides: str) -> tuple[dict, Path]:
-        run_dir = Path(tempfile.mkdtemp(dir=tmp_path))
+    def run(*overrides: str, run_dir: Path | None = None) -> tuple[dict, Path]:
+        run_dir = run_dir or Path(tempfile.mkdtemp(dir=tmp_path))
         with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
             # Outside a Hydra run there is no hydra:runtime.output_dir to interpolate: name the paths.
             cfg = compose("train", overrides=[*overrides, f"output_dir={run_dir}", f"log_file={run_dir}/train.log"])
@@ -132,3 +151,13 @@ def train_in_process(tmp_path, monkeypatch, data_cache):
         return json.loads((run_dir / "metrics.json").read_text()), run_dir
 
     return run
+
+
+@pytest.fixture(scope="session")
+def mlflow_uri(tmp_path_factory) -> str:
+    """One MLflow database for the session's logger=mlflow runs: making one runs MLflow's table migrations (~9 s)."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+    MlflowClient(uri)
+    return uri

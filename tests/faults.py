@@ -61,7 +61,24 @@ class PausingMLP(RaisingMLP):
             with open(self.pause_file + ".tmp", "w") as file:
                 file.write(str(os.getpid()))
             os.replace(self.pause_file + ".tmp", self.pause_file)
-            time.sleep(3)
+            self.wait()
+
+    def wait(self) -> None:
+        time.sleep(3)
+
+
+class WaitingMLP(PausingMLP):
+    """Like PausingMLP, but waits in that step until `resume_file` exists (two minutes at most): the test acts while
+    the run is certainly still in it, however slowly what it does starts."""
+
+    def __init__(self, *args, resume_file: str, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.resume_file = resume_file
+
+    def wait(self) -> None:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(self.resume_file) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 class KilledMLP(RaisingMLP):

@@ -45,6 +45,7 @@ def assert_rejected_by_hydra(run, *expected: str) -> None:
         ("trainer.precision=fp8", "trainer.precision=fp8: must be one of 32, bf16, fp16"),
         ("trainer.grad_accum_steps=5", "trainer.grad_accum_steps=5: data.batch_size=64 does not split"),
         ("trainer.limit_train_batches=0", "trainer.limit_train_batches=0: must be positive"),
+        ("trainer.keep_last_k=0", "trainer.keep_last_k=0: must be at least 1"),
     ],
 )
 def test_out_of_range_value(run_train, override, message):

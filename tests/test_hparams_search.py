@@ -116,3 +116,34 @@ def test_two_trials_under_ddp(run_train, tmp_path):
     assert "Directions: ['maximize']" in run.output
     check_study(tmp_path, "val/acc", max, trials=2)
     assert all(json.loads((job / "metrics.json").read_text())["world_size"] == 2 for job in jobs(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Deprecated API features detected")  # SQLAlchemy 1.4 on optuna 2's use of it
+def test_a_stored_study_resumes(run_train, tmp_path):
+    """hydra.sweeper.storage=sqlite:///...: a second search on the same study continues it. Its trials are numbered on
+    from the first search's, and its best is the best of all trials, the first search's included."""
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    common = ("hparams_search=mnist1d_optuna", "data=digits", *TINY, "trainer.limit_train_batches=4")
+    sweeps = [tmp_path / "first", tmp_path / "second"]
+    for sweep_dir in sweeps:  # the second, a rerun after the first stopped, gets its own folder as usual
+        run = run_train(
+            "-m",
+            *common,
+            "hydra.sweeper.n_trials=2",
+            f"hydra.sweeper.storage={storage}",
+            f"hydra.sweep.dir={sweep_dir}",
+        )
+        assert run.returncode == 0, run.output
+    import optuna
+
+    study = optuna.load_study(study_name="mnist1d_mlp", storage=storage)
+    trials = sorted(study.trials, key=lambda trial: trial.number)
+    assert [trial.number for trial in trials] == [0, 1, 2, 3]
+    assert all(trial.state == optuna.trial.TrialState.COMPLETE for trial in trials)
+    found = [json.loads((job / "metrics.json").read_text())["val/acc"] for sweep in sweeps for job in jobs(sweep)]
+    assert [trial.value for trial in trials] == found  # trial 2 is the second search's first job
+    for trial, job in zip(trials[2:], jobs(sweeps[1])):
+        assert overrides_of(job)["optimizer.lr"] == str(trial.params["optimizer.lr"])
+    results = yaml.safe_load((sweeps[1] / "optimization_results.yaml").read_text())
+    assert results["best_value"] == max(found)

@@ -47,7 +47,10 @@ def ddp_run(run_train):
 def test_run_directory_contents(ddp_run):
     names = {p.name for p in ddp_run.run_dir.iterdir()}
     assert names == {".hydra", "train.log", "tensorboard", "checkpoints", "metrics.json"}
-    assert {p.name for p in (ddp_run.run_dir / "checkpoints").iterdir()} == {"last.pt", "best.pt"}
+    # The last two step-named checkpoints (trainer.keep_last_k=2); last.pt is another name of the newest.
+    checkpoints = ddp_run.run_dir / "checkpoints"
+    assert {p.name for p in checkpoints.iterdir()} == {"last.pt", "best.pt", "step-00000044.pt", "step-00000066.pt"}
+    assert (checkpoints / "last.pt").samefile(checkpoints / "step-00000066.pt")
     # One event file: rank 1 got a null logger.
     assert len(list((ddp_run.run_dir / "tensorboard").iterdir())) == 1
 

@@ -8,7 +8,7 @@ metrics when saved; empty mid-epoch), rng (torch, cuda: the saving rank's own GP
 config (resolved).
 """
 
-import os
+import logging
 import random
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -25,6 +25,9 @@ from hydraloop.errors import ConfigError
 from hydraloop.parallel.single import SingleDevice
 from hydraloop.precision import Precision
 from hydraloop.schedulers import apply_current_step
+from hydraloop.storage import write_atomic
+
+log = logging.getLogger(__name__)
 
 REQUIRED_KEYS = ("model", "optimizer", "scheduler", "epoch", "global_step", "rng")
 
@@ -51,12 +54,27 @@ class TrainState:
         self.epoch, self.epoch_step, self.epoch_loss_sum, self.epoch_skipped = self.epoch + 1, 0, 0.0, 0
 
 
-def save_atomic(obj: Any, path: Path) -> None:
-    """Write to a temporary file, then rename: a crash mid-write never leaves a truncated checkpoint."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+def save_atomic(obj: Any, path: Path, consequence: str = "") -> None:
+    """Written beside `path`, fsync'ed, then renamed (hydraloop.storage): a crash or a full disk mid-write never
+    leaves a truncated checkpoint, and a failed write raises StorageError naming `path` and the cause."""
+    # A file object, not a path: torch then writes through Python, whose OSError (with its errno) is kept.
+    write_atomic(path, lambda file: torch.save(obj, file), consequence)
+
+
+def step_checkpoint(directory: Path, step: int) -> Path:
+    """`step-00000120.pt`: the checkpoint written after optimizer step 120 (zero-padded, so `ls` lists them in
+    order)."""
+    return directory / f"step-{step:08d}.pt"
+
+
+def step_checkpoints(directory: Path) -> dict[int, Path]:
+    """The step-named checkpoints in `directory`, by step."""
+    found = {}
+    for path in directory.glob("step-*.pt"):
+        digits = path.name.removeprefix("step-").removesuffix(".pt")
+        if digits.isdigit():
+            found[int(digits)] = path
+    return found
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -77,12 +95,35 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     return checkpoint
 
 
-def checkpoint_to_resume(cfg: Any) -> str | None:
+def checkpoint_to_resume(cfg: Any, report: bool = False) -> str | None:
     """The checkpoint a run starts from: with `resume=true`, this run directory's own last.pt if it has one (a
     restarted or requeued job, or the same command rerun into the same directory: it continues where it stopped),
-    else `ckpt_path` (null: from scratch)."""
-    own = Path(cfg.output_dir) / "checkpoints" / "last.pt"
-    return str(own) if cfg.resume and cfg.mode == "train" and own.is_file() else cfg.ckpt_path
+    else `ckpt_path` (null: from scratch).
+
+    A last.pt that cannot be read (truncated, empty) gives way to the newest readable step-named checkpoint beside
+    it, with one warning line if `report` (the process that owns the run directory; every rank looks for itself).
+    """
+    directory = Path(cfg.output_dir) / "checkpoints"
+    own = [directory / "last.pt", *(path for _, path in sorted(step_checkpoints(directory).items(), reverse=True))]
+    own = [path for path in own if path.is_file()] if cfg.resume and cfg.mode == "train" else []
+    unreadable = []
+    for path in own:
+        try:
+            load_checkpoint(path)
+        except ConfigError:
+            unreadable.append(path.name)
+            continue
+        if unreadable and report:
+            log.warning(
+                "resume=true: %s cannot be read (truncated, or not a checkpoint): continuing from %s, the newest "
+                "readable checkpoint in %s",
+                ", ".join(unreadable),
+                path.name,
+                directory,
+            )
+        return str(path)
+    # None readable: last.pt is the one to report (check_resumable says it cannot be read), if there is one.
+    return str(own[0]) if own else cfg.ckpt_path
 
 
 def check_resumable(path: str | Path, cfg: Any) -> None:

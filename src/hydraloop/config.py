@@ -45,6 +45,9 @@ class TrainerConfig:
     """torch.use_deterministic_algorithms(True): slower, bit-reproducible kernels."""
     save_checkpoints: bool = True
     """Write checkpoints/last.pt every epoch and checkpoints/best.pt when `optimized_metric` improves."""
+    keep_last_k: int = 2
+    """Step-named checkpoints (checkpoints/step-00000120.pt) kept beside last.pt, which is a second name of the
+    newest; resuming from a last.pt that cannot be read falls back to the newest readable one. 1: no fallback."""
     precision: str = "32"
     """32 (float32), bf16 or fp16: autocast for the forward pass and loss; fp16 adds a GradScaler."""
     compile: bool = False
@@ -94,6 +97,11 @@ class DataConfig:
     without a DataLoader (for data sets that fit in device memory; ignores num_workers)."""
     prefetch_factor: int | None = None
     """Batches each DataLoader worker loads ahead; null: PyTorch's default (2). Needs num_workers > 0."""
+    num_folds: int | None = None
+    """k-fold cross-validation: split the data set's pool into this many folds (stratified by class) and validate
+    on fold `fold`; `-m data.fold=0,1,...` runs them all. null: the data set's own train/val split."""
+    fold: int = 0
+    """The validation fold, in [0, num_folds)."""
     dataset: Any = MISSING
     """`_target_` returning (train, val) datasets, with its own keys."""
 
@@ -218,15 +226,33 @@ def rank_zero_only(value: Any) -> Any:
     return value
 
 
+def run_owner_only(value: Any) -> Any:
+    """`value` in the process that will own the run directory, null elsewhere: for Hydra's `.hydra` subfolder,
+    which Hydra writes before `main` runs. That process is rank 0 (see rank_zero_only), when the directory can be
+    written and no other live run holds it (hydraloop.run_lock): a run refused at start leaves the owner's `.hydra`
+    alone."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from hydraloop.run_lock import may_own
+
+    value = rank_zero_only(value)
+    if value is None or not HydraConfig.initialized():
+        return value
+    return value if may_own(HydraConfig.get().runtime.output_dir) else None
+
+
 def register_configs() -> None:
     """The schemas, and the resolvers: `${sweep_direction:max}` -> maximize (for sweepers), `${shared_run_path:}`,
-    `${rank_zero_only:value}`, `${default_metric:<task class>}` and `${metric_mode:<task class>,<metric>}`."""
+    `${rank_zero_only:value}`, `${run_owner_only:value}`, `${default_metric:<task class>}` and
+    `${metric_mode:<task class>,<metric>}`."""
     if not OmegaConf.has_resolver("sweep_direction"):
         OmegaConf.register_new_resolver("sweep_direction", lambda mode: {"max": "maximize", "min": "minimize"}[mode])
     if not OmegaConf.has_resolver("shared_run_path"):
         OmegaConf.register_new_resolver("shared_run_path", shared_run_path, use_cache=True)
     if not OmegaConf.has_resolver("rank_zero_only"):
         OmegaConf.register_new_resolver("rank_zero_only", rank_zero_only)
+    if not OmegaConf.has_resolver("run_owner_only"):
+        OmegaConf.register_new_resolver("run_owner_only", run_owner_only)
     if not OmegaConf.has_resolver("default_metric"):
         OmegaConf.register_new_resolver("default_metric", lambda task: get_class(task).default_metric)
     if not OmegaConf.has_resolver("metric_mode"):
@@ -269,6 +295,8 @@ def check_config(cfg: Any, world_size: int) -> None:
         f"trainer.grad_accum_steps={accum}: data.batch_size={batch_size} does not split into {world_size} rank(s) "
         f"x {accum} equal micro-batches",
     )
+    keep = cfg.trainer.keep_last_k
+    _require(keep >= 1, f"trainer.keep_last_k={keep}: must be at least 1 (the newest checkpoint is one of them)")
     nonfinite = cfg.trainer.nonfinite_loss
     _require(nonfinite in ("stop", "skip"), f"trainer.nonfinite_loss={nonfinite}: must be stop or skip")
     precision = str(cfg.trainer.precision)
@@ -285,6 +313,21 @@ def check_config(cfg: Any, world_size: int) -> None:
     )
     mode = cfg.optimized_metric_mode
     _require(mode in ("max", "min"), f"optimized_metric_mode={mode}: must be max or min")
+    _check_folds(cfg.data)
+
+
+def _check_folds(data: Any) -> None:
+    num_folds, fold = data.num_folds, data.fold
+    if num_folds is None:
+        _require(fold == 0, f"data.fold={fold}: needs data.num_folds (k-fold cross-validation)")
+        return
+    _require(num_folds >= 2, f"data.num_folds={num_folds}: must be at least 2, or null for no k-fold")
+    _require(0 <= fold < num_folds, f"data.fold={fold}: must be in [0, data.num_folds={num_folds})")
+    _require(
+        "num_folds" in data.dataset,
+        f"data.num_folds={num_folds}: the data set {data.dataset.get('_target_')} takes no num_folds "
+        "(see hydraloop.data.folds for how the in-memory data sets do k-fold)",
+    )
 
 
 def check_task(cfg: Any, task: Any) -> None:

@@ -1,5 +1,5 @@
 """The ways a run ends in error with one line instead of a Python traceback: bad input, a diverged loss, a failed
-rank (whose own traceback is in the job log), and a stop signal."""
+rank (whose own traceback is in the job log), a storage fault, and a stop signal."""
 
 import logging
 import signal
@@ -13,6 +13,7 @@ log = logging.getLogger("hydraloop")
 
 BAD_INPUT_EXIT_CODE = 2
 FAILED_EXIT_CODE = 1
+STORAGE_EXIT_CODE = 74  # EX_IOERR in sysexits.h: a wrapper script can tell a full disk from a failed run
 
 
 class ConfigError(ValueError):
@@ -21,6 +22,11 @@ class ConfigError(ValueError):
 
 class TrainingDiverged(FloatingPointError):
     """The loss became NaN or infinite. The message names the step and rank; the last checkpoint is intact."""
+
+
+class StorageError(RuntimeError):
+    """A write into the run directory failed (no space left, quota, permission, read-only file system, file-size
+    limit). The message names the path and the cause; the checkpoints written before are intact."""
 
 
 class WorkerFailed(RuntimeError):
@@ -56,6 +62,9 @@ def exit_on_error() -> Iterator[None]:
     except (WorkerFailed, TrainingDiverged) as error:
         log.error("%s", error)
         sys.exit(FAILED_EXIT_CODE)
+    except StorageError as error:
+        log.error("%s", error)
+        sys.exit(STORAGE_EXIT_CODE)
     except Interrupted as error:
         log.error("%s", error)
         sys.exit(error.exit_code)

@@ -5,16 +5,27 @@ import torch
 from torch.utils.data import TensorDataset
 
 from hydraloop.data.cache import cached_arrays
+from hydraloop.data.folds import fold_split
 
 
-def load_mnist1d(cache_dir: str | None = None) -> tuple[TensorDataset, TensorDataset]:
-    """MNIST-1D with the package's default generation arguments: 4000 train / 1000 test, shape (1, 40)."""
+def load_mnist1d(
+    cache_dir: str | None = None, num_folds: int | None = None, fold: int = 0, split_seed: int = 0
+) -> tuple[TensorDataset, TensorDataset]:
+    """MNIST-1D with the package's default generation arguments: 4000 train / 1000 test, shape (1, 40).
+
+    With `num_folds`, cross-validation over the 4000 training sequences: fold `fold` of them (chosen by
+    `split_seed`) is the validation set, and the test set stays unused, held out for the model finally chosen."""
     arrays = cached_arrays("mnist1d_default", _generate, cache_dir)
 
     def tensors(x: np.ndarray, y: np.ndarray) -> TensorDataset:
         return TensorDataset(torch.tensor(x, dtype=torch.float32).unsqueeze(1), torch.tensor(y, dtype=torch.long))
 
-    return tensors(arrays["x"], arrays["y"]), tensors(arrays["x_test"], arrays["y_test"])
+    train_set = tensors(arrays["x"], arrays["y"])
+    if num_folds is None:
+        return train_set, tensors(arrays["x_test"], arrays["y_test"])
+    x, y = train_set.tensors
+    train, val = fold_split(y, num_folds, fold, split_seed)
+    return TensorDataset(x[train], y[train]), TensorDataset(x[val], y[val])
 
 
 def _generate() -> dict[str, np.ndarray]:

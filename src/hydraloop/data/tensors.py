@@ -5,7 +5,8 @@ The file is a numpy `.npz` (`np.savez("my.npz", x=x, y=y)`) or a torch `.pt` hol
 (`torch.save({"x": x, "y": y}, "my.pt")`, read with `weights_only=True`, so loading it runs no code). `x` holds the
 inputs, floating point, shaped `(N, *input_shape)`; `y` the labels, integer class indices in `[0, num_classes)`,
 shaped `(N,)`. If the file also holds `x_val` and `y_val` (`<x_key>_val`, `<y_key>_val`), they are the validation
-set; otherwise a fixed `val_fraction` of the samples is held out, chosen by `split_seed`.
+set; otherwise a fixed `val_fraction` of the samples is held out, chosen by `split_seed`, or, with `num_folds`, fold
+`fold` of them (k-fold cross-validation, which a file with its own validation set refuses).
 
 Anything wrong with the file is a ConfigError: one line naming the config key, the value and what was found.
 """
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
+from hydraloop.data.folds import fold_split
 from hydraloop.errors import ConfigError
 
 SUFFIXES = (".npz", ".pt")
@@ -31,6 +33,8 @@ def load_tensors(
     split_seed: int = 0,
     x_key: str = "x",
     y_key: str = "y",
+    num_folds: int | None = None,
+    fold: int = 0,
 ) -> tuple[TensorDataset, TensorDataset]:
     """(train, val) TensorDatasets of float32 inputs and int64 labels read from `path` (.npz or .pt)."""
     where = f"data.dataset.path={path}"
@@ -50,8 +54,16 @@ def load_tensors(
     input_shape = [int(size) for size in input_shape]
     x, y = _checked(arrays, x_key, y_key, input_shape, num_classes, where)
     if all(has_val):
+        if num_folds is not None:
+            raise ConfigError(
+                f"data.num_folds={num_folds}: {where} holds its own validation set ('{x_val_key}', '{y_val_key}'); "
+                "k-fold splits one pool of samples: leave them out of the file, or set data.num_folds=null"
+            )
         x_val, y_val = _checked(arrays, x_val_key, y_val_key, input_shape, num_classes, where)
         return TensorDataset(x, y), TensorDataset(x_val, y_val)
+    if num_folds is not None:
+        train, val = fold_split(y, num_folds, fold, split_seed)
+        return TensorDataset(x[train], y[train]), TensorDataset(x[val], y[val])
 
     if not 0 < val_fraction < 1:
         raise ConfigError(

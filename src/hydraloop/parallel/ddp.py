@@ -15,7 +15,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.nn.parallel import DistributedDataParallel
 
-from hydraloop.errors import ConfigError, Interrupted, WorkerFailed
+from hydraloop.errors import ConfigError, Interrupted, StorageError, WorkerFailed
 from hydraloop.parallel.single import SingleDevice, resolve_device
 from hydraloop.preemption import STOP_SIGNALS
 
@@ -114,14 +114,18 @@ class DDPStrategy(SingleDevice):
             message = failure.message.get("message") if isinstance(failure.message, dict) else failure.message
             if str(message).startswith("ConfigError: "):  # bad input only a rank could see, e.g. in a data file
                 raise ConfigError(str(message).removeprefix("ConfigError: ")) from None
+            if str(message).startswith("StorageError: "):  # rank 0's failed write: its own line and exit code
+                raise StorageError(str(message).removeprefix("StorageError: ")) from None
             raise WorkerFailed(f"rank {rank} failed (exit code {failure.exitcode}): {message}") from None
 
     def setup(self) -> None:
         super().setup()
         if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-            # Ranks share the machine's cores; without this each would start one thread per core.
+            # Ranks share the cores this process may use (its affinity: a parallel sweep's share, a taskset);
+            # without this each would start one thread per core.
             local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            torch.set_num_threads(max(1, cores // local_world_size))
         dist.init_process_group(
             self.backend,
             store=_attempt_store(self.timeout),

@@ -1,0 +1,195 @@
+"""The GPU check's steps (scripts/gpu_check.sh starts it with the right interpreter): one command for a GPU machine
+lent for a few minutes, offline, with a CUDA PyTorch already installed.
+
+1. machine: torch, CUDA, the GPUs;
+2. tests: tests/test_cuda.py (the CUDA sync-count test among them) and tests/test_device_paths.py;
+3. benchmark: scripts/benchmark.py in fp32 (loop, start-up, strategies) and bf16 (loop);
+4. runs: whole MNIST-1D CNN trainings: single in fp32 and bf16 with compile off and on, dataparallel, ddp and fsdp
+   with as many ranks as there are GPUs (at most 2).
+
+Every step gets what is left of `--budget-s`; one that fails or runs out of time does not stop the others. Writes
+OUT/gpu_check.json (everything) beside OUT/gpu_check.log (all the output), prints a short table, and exits 1 when
+something failed. `--device cpu` runs every step on the CPU: a dry run of the script itself.
+"""
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = ["tests/test_cuda.py", "tests/test_device_paths.py"]
+
+
+class Steps:
+    """Runs commands within one time budget, logging their output and recording how each ended."""
+
+    def __init__(self, budget_s: float, log, slowdown: float) -> None:
+        self.deadline = time.monotonic() + budget_s
+        self.log = log
+        self.slowdown = slowdown  # each step's time limit is for a GPU; a CPU dry run gets this many times more
+        self.record: list[dict] = []
+
+    def run(self, name: str, command: list[str], limit_s: float, env: dict | None = None) -> tuple[str, str]:
+        """(status, output): status is ok, failed (exit N), timed out, or skipped (no time left)."""
+        left, limit_s = self.deadline - time.monotonic(), limit_s * self.slowdown
+        if left < 5:
+            self.record.append({"step": name, "status": "skipped: no time left", "seconds": 0.0})
+            return "skipped", ""
+        start = time.monotonic()
+        self.log(f"\n== {name}: {' '.join(command)}")
+        try:
+            proc = subprocess.run(
+                command, cwd=REPO, env=env, capture_output=True, text=True, timeout=min(limit_s, left)
+            )
+            output, status = (
+                proc.stdout + proc.stderr,
+                "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})",
+            )
+        except subprocess.TimeoutExpired as expired:
+            output = (expired.stdout or b"").decode(errors="replace") + (expired.stderr or b"").decode(errors="replace")
+            status = f"timed out after {min(limit_s, left):.0f} s"
+        self.log(output.rstrip())
+        seconds = time.monotonic() - start
+        self.record.append({"step": name, "status": status, "seconds": round(seconds, 1)})
+        return status, output
+
+    @property
+    def failed(self) -> list[str]:
+        return [
+            f"{r['step']}: {r['status']}" for r in self.record if r["status"] != "ok" and "skipped" not in r["status"]
+        ]
+
+
+def machine(device: str) -> dict:
+    info = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda, "device": device}
+    if device == "cuda":
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info
+
+
+def test_counts(output: str) -> dict:
+    """pytest's closing line, e.g. '12 passed, 2 skipped in 40.1s' -> {'passed': 12, 'skipped': 2}."""
+    return {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?)", output)}
+
+
+def training_runs(args, steps: Steps, out: Path, env: dict) -> list[dict]:
+    ranks = min(torch.cuda.device_count(), 2) if args.device == "cuda" else 2
+    variants = [("single", p, c) for p in ("32", "bf16") for c in ("false", "true")]
+    variants += [(strategy, p, "false") for strategy in ("dataparallel", "ddp") for p in ("32", "bf16")]
+    variants += [("fsdp", "32", "false")]
+    rows = []
+    for strategy, precision, compile_ in variants:
+        name = f"{strategy}-{precision}-compile_{compile_}"
+        run_dir = out / "runs" / name
+        command = [
+            sys.executable,
+            "src/train.py",
+            f"parallel={strategy}",
+            f"device={args.device}",
+            f"trainer.precision={precision}",
+            f"trainer.compile={compile_}",
+            "experiment=mnist1d_cnn",
+            f"trainer.max_epochs={args.epochs}",
+            "logger=none",
+            "trainer.save_checkpoints=false",
+            f"hydra.run.dir={run_dir}",
+        ]
+        if strategy in ("ddp", "fsdp"):
+            command.append(f"parallel.nproc_per_node={ranks}")
+        status, _ = steps.run(f"run {name}", command, limit_s=120 if compile_ == "true" else 45, env=env)
+        rows.append({"strategy": strategy, "precision": precision, "compile": compile_, "status": status})
+        metrics_file = run_dir / "metrics.json"
+        if status == "ok" and metrics_file.exists():
+            metrics = json.loads(metrics_file.read_text())
+            # The last epoch's logging intervals: compilation and warm-up are over by then.
+            rates = [
+                float(m.group(1))
+                for line in (run_dir / "train.log").read_text().splitlines()
+                if f"epoch {args.epochs} step" in line and (m := re.search(r"\| ([\d.]+) samples/s", line))
+            ]
+            rows[-1].update(
+                samples_per_s=statistics.median(rates) if rates else None,
+                wall_time_s=metrics["wall_time_s"],
+                val_acc=metrics["val/acc"],
+                world_size=metrics["world_size"],
+            )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path, nargs="?", default=REPO / "outputs" / "gpu_check")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--budget-s", type=float, help="all steps together; default 340 s (GPU), 1800 s (CPU)")
+    args = parser.parse_args()
+    dry_run = args.device == "cpu"
+    args.epochs = 1 if dry_run else 3
+    args.budget_s = args.budget_s or (1800 if dry_run else 340)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit(f"gpu_check: torch {torch.__version__} sees no GPU; --device cpu runs the steps on the CPU")
+    out = args.out.resolve()
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    log_file = (out / "gpu_check.log").open("w")
+
+    def log(text: str) -> None:
+        print(text, flush=True)
+        print(text, file=log_file, flush=True)
+
+    env = {**os.environ, "HYDRALOOP_TEST_DEVICE": args.device, "PYTHONUNBUFFERED": "1"}
+    report: dict = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(args.device)}
+    log(json.dumps(report["machine"]))
+    steps = Steps(args.budget_s, log, slowdown=5 if dry_run else 1)
+
+    _, output = steps.run("tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS], 180, env)
+    report["tests"] = test_counts(output)
+
+    ddp_procs = ["1", "2"] if dry_run or torch.cuda.device_count() > 1 else ["1"]  # never 2 ranks on one GPU
+    quick = ["--repeats", "2", "--loop-processes", "1"] if dry_run else ["--repeats", "3", "--loop-processes", "2"]
+    report["benchmark"] = {}
+    for precision, skip in (("32", []), ("bf16", ["--skip", "startup", "ddp"])):
+        json_file = out / f"benchmark_{precision}.json"
+        command = [sys.executable, "scripts/benchmark.py", "--device", args.device, "--precision", precision, *quick]
+        command += ["--ddp-procs", *ddp_procs, *skip, "--out", str(json_file)]
+        status, _ = steps.run(f"benchmark {precision}", command, limit_s=150, env=env)
+        if status == "ok":
+            report["benchmark"][precision] = json.loads(json_file.read_text())
+
+    report["runs"] = training_runs(args, steps, out, env)
+    report["steps"], report["failed"] = steps.record, steps.failed
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
+    log(summary(report))
+    log_file.close()
+    sys.exit(1 if steps.failed else 0)
+
+
+def summary(report: dict) -> str:
+    lines = ["", "== summary", f"tests: {report['tests']}"]
+    for precision, bench in report["benchmark"].items():
+        ratios = ", ".join(f"{row['workload']} {row['ratio']:.3f}" for row in bench.get("loop", []))
+        lines.append(f"benchmark {precision}: loop vs hand-written {ratios}")
+        if "startup" in bench:
+            lines.append(f"  start-up to first step {bench['startup']['train_py_first_step_s']:.2f} s")
+        for row in bench.get("ddp", []):
+            lines.append(f"  {row['variant']:<14}{row['samples_per_s']:>10.0f} samples/s, {row['ratio_vs_single']:.3f}")
+    lines.append(f"{'run':<34}{'samples/s':>10}{'wall s':>8}{'val/acc':>8}  status")
+    for row in report["runs"]:
+        name = f"{row['strategy']} {row['precision']} compile={row['compile']}"
+        rate, wall, acc = row.get("samples_per_s"), row.get("wall_time_s"), row.get("val_acc")
+        figures = f"{rate or 0:>10.0f}{wall:>8.1f}{acc:>8.4f}" if wall is not None else f"{'-':>10}{'-':>8}{'-':>8}"
+        lines.append(f"{name:<34}{figures}  {row['status']}")
+    skipped = [r["step"] for r in report["steps"] if "skipped" in r["status"]]
+    lines.append(f"skipped for lack of time: {', '.join(skipped)}" if skipped else "every step ran")
+    lines.append(f"FAILED: {'; '.join(report['failed'])}" if report["failed"] else "nothing failed")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

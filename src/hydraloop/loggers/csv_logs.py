@@ -1,0 +1,66 @@
+"""logger=csv: `<run dir>/metrics.csv`, one row per logged step, no dependency (for offline clusters, spreadsheets,
+pandas). The config and the final metrics are beside it, in `.hydra/config.yaml` and `metrics.json`."""
+
+from __future__ import annotations
+
+import atexit
+import csv
+import os
+from pathlib import Path
+from typing import Any
+
+from hydraloop.loggers.base import NullLogger, RunInfo
+
+
+class CSVLogger(NullLogger):
+    """Columns `step` and every metric name in the order first logged; a metric not logged at a step is empty.
+
+    Metrics logged at the same step (a logging step that ends an epoch gives train and validation metrics) share
+    one row, so a row is written once the next step begins, or when the run ends. A metric name that appears late
+    (the first validation) rewrites the file once with the wider header. A resumed run appends to the file.
+    """
+
+    def start(self, run: RunInfo) -> None:
+        self.path = Path(run.run_dir) / "metrics.csv"
+        self.columns = ["step"]
+        if self.path.is_file():
+            with self.path.open(newline="") as handle:
+                self.columns = next(csv.reader(handle), None) or self.columns
+        self.row: dict[str, Any] = {}
+        atexit.register(self._write_row)  # a run that fails still leaves its last row
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if self.row and self.row["step"] != step:
+            self._write_row()
+        self.row.update(metrics, step=step)
+
+    def finish(self, metrics: dict[str, Any]) -> None:
+        self._write_row()
+        atexit.unregister(self._write_row)
+
+    def _write_row(self) -> None:
+        if not self.row:
+            return
+        row, self.row = self.row, {}
+        new = [name for name in row if name not in self.columns]
+        if new:
+            self._rewrite(self.columns + new)
+        with self.path.open("a", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=self.columns)
+            if handle.tell() == 0:
+                writer.writeheader()
+            writer.writerow(row)
+
+    def _rewrite(self, columns: list[str]) -> None:
+        """The rows so far under a wider header; written to a temporary file and renamed, so never half a file."""
+        self.columns = columns
+        if not self.path.is_file():
+            return
+        with self.path.open(newline="") as handle:
+            rows = list(csv.DictReader(handle))
+        tmp = self.path.with_suffix(".csv.tmp")
+        with tmp.open("w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=columns)
+            writer.writeheader()
+            writer.writerows(rows)
+        os.replace(tmp, self.path)

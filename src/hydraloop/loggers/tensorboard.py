@@ -1,0 +1,46 @@
+"""logger=tensorboard: event files in `<run dir>/tensorboard`; `tensorboard --logdir outputs` shows every run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from hydraloop.config import VAL_METRICS
+from hydraloop.loggers.base import NullLogger, RunInfo
+
+HPARAMS_METRICS = (*VAL_METRICS, "train/epoch_loss")
+"""The metrics every run declares to the HParams tab, whatever it logged: TensorBoard takes the columns of a sweep's
+comparison from one run's declaration, so all runs must declare the same."""
+
+
+class TensorBoardLogger(NullLogger):
+    def start(self, run: RunInfo) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # ~1 s of imports; only rank 0 pays it
+        from torch.utils.tensorboard.summary import hparams as hparams_summary
+
+        self.writer = SummaryWriter(log_dir=str(run.run_dir / "tensorboard"))
+        # Indented four spaces: TensorBoard's text plugin renders that as a code block.
+        config_yaml = OmegaConf.to_yaml(run.config)
+        self.writer.add_text("config", "\n".join("    " + line for line in config_yaml.splitlines()))
+        self.writer.add_scalar("model/params", run.num_params, 0)
+        # The HParams tab's row for this run: its overridden keys (a sweep's varying ones among them), written into
+        # the run's own event file. SummaryWriter.add_hparams would write them into a new timestamped sub-run, a
+        # second row without the run's scalars (pytorch/pytorch#32651). The metric columns read each run's last
+        # value of the scalar of that name.
+        metrics = dict.fromkeys(HPARAMS_METRICS, 0.0)  # only the names are written into the declaration
+        file_writer = self.writer._get_file_writer()
+        for summary in hparams_summary(run.hparams, metrics):
+            file_writer.add_summary(summary)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        for name, value in metrics.items():
+            self.writer.add_scalar(name, value, step)
+
+    def finish(self, metrics: dict[str, Any]) -> None:
+        # The final validation metrics at the last step as well: a `mode=eval` run logged none before.
+        step = metrics.get("global_step", 0)
+        for name in VAL_METRICS:
+            if isinstance(metrics.get(name), float):
+                self.writer.add_scalar(name, metrics[name], step)
+        self.writer.close()

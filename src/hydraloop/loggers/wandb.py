@@ -1,0 +1,70 @@
+"""logger=wandb: a Weights & Biases run, in `<run dir>/wandb/`. Needs `pip install 'hydraloop[wandb]'`.
+
+Without credentials (no WANDB_API_KEY, no `wandb login`) the run is offline: W&B writes it to disk only, which
+works on a cluster without internet, and `wandb sync <run dir>/wandb/offline-run-*` uploads it later.
+"""
+
+from __future__ import annotations
+
+import netrc
+import os
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlparse
+
+from hydraloop.loggers.base import NullLogger, RunInfo, require_package
+
+
+class WandbLogger(NullLogger):
+    def __init__(
+        self,
+        project: str = "hydraloop",
+        entity: str | None = None,
+        group: str | None = None,
+        tags: Sequence[str] = (),
+        name: str | None = None,
+        mode: str | None = None,
+    ) -> None:
+        """`group` null: a multirun's folder, so its jobs form one group; `mode` null: WANDB_MODE if set, else
+        online with credentials and offline without."""
+        require_package("wandb", extra="wandb")
+        self.project, self.entity, self.group, self.tags, self.name = project, entity, group, list(tags), name
+        self.mode = mode or (None if os.environ.get("WANDB_MODE") else "online" if _has_credentials() else "offline")
+
+    def start(self, run: RunInfo) -> None:
+        import wandb
+
+        self.run = wandb.init(
+            project=self.project,
+            entity=self.entity,
+            group=self.group or run.job.sweep_dir,
+            tags=self.tags,
+            name=self.name,
+            mode=self.mode,
+            dir=run.run_dir,
+            config=run.flat_config,
+            # The console is already in train.log; W&B's capture would wrap the progress bar's stream.
+            settings=wandb.Settings(console="off", quiet=True),
+        )
+        self.run.summary["model/params"] = run.num_params
+        self.run.summary["run_dir"] = str(run.run_dir)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        # Calls with the same step (train and validation metrics at an epoch's last step) fill one history row.
+        self.run.log(metrics, step=step)
+
+    def finish(self, metrics: dict[str, Any]) -> None:
+        self.run.log({}, commit=True)  # the last row first: written later, it would overwrite the summary below
+        self.run.summary.update(metrics)
+        self.run.finish()
+
+
+def _has_credentials() -> bool:
+    """An API key in the environment, or one that `wandb login` saved to ~/.netrc for W&B's host."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False

@@ -1,0 +1,185 @@
+"""logger=[tensorboard,csv,wandb,mlflow]: every logger records the same run (config, metrics at the same steps,
+final metrics, parameter count, run directory), read back through each tool's own format; bad logger settings are
+one line before training."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from conftest import REPO, free_port
+from hydraloop.loggers.base import flatten
+from hydraloop.loggers.tensorboard import HPARAMS_METRICS
+from tracking_stores import (
+    csv_rows,
+    event_files,
+    events,
+    hparams_row,
+    isolate_wandb,
+    mlflow_history,
+    mlflow_runs,
+    rejected_in_process,
+    wandb_runs,
+)
+
+STEPS = [4, 6, 8, 12]  # 2 epochs of 6 steps, train metrics every 4: steps 4, 8, 12; validation after 6 and 12
+OVERRIDES = (
+    "logger=[tensorboard,csv,wandb,mlflow]",
+    "logger.wandb.tags=[digits,smoke]",
+    "trainer.max_epochs=2",
+    "trainer.limit_train_batches=6",
+    "trainer.log_every_n_steps=4",
+)
+
+
+@pytest.fixture(scope="module")
+def logged(tmp_path_factory, data_cache, mlflow_uri):
+    """One in-process run with all four loggers: (run dir, metrics.json, flattened resolved config, MLflow URI)."""
+    root = tmp_path_factory.mktemp("loggers")
+    run_dir, tracking_uri = root / "run", mlflow_uri
+    run_dir.mkdir()
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        isolate_wandb(monkeypatch, root)
+        monkeypatch.setenv("XDG_CACHE_HOME", str(data_cache))
+        monkeypatch.syspath_prepend(str(REPO / "src"))
+        import train
+
+        overrides = [*OVERRIDES, f"logger.mlflow.tracking_uri={tracking_uri}"]
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+            cfg = compose("train", overrides=[*overrides, f"output_dir={run_dir}", f"log_file={run_dir}/train.log"])
+        train.main.__wrapped__(cfg)
+    config = flatten(OmegaConf.to_container(cfg, resolve=True))
+    return run_dir, json.loads((run_dir / "metrics.json").read_text()), config, tracking_uri
+
+
+def csv_series(run_dir: Path) -> dict[str, dict[int, float]]:
+    """metrics.csv as {metric: {step: value}}, empty cells left out."""
+    series: dict[str, dict[int, float]] = {}
+    for row in csv_rows(run_dir):
+        for key, value in row.items():
+            if key != "step" and value != "":
+                series.setdefault(key, {})[int(row["step"])] = float(value)
+    return series
+
+
+def test_csv_has_one_row_per_logged_step(logged):
+    run_dir, metrics, _, _ = logged
+    rows = csv_rows(run_dir)
+    assert [int(row["step"]) for row in rows] == STEPS
+    assert list(rows[0])[:2] == ["step", "train/loss"]  # the first metrics logged come first
+    last = rows[-1]  # the epoch's last logging step and its validation share one row
+    assert float(last["train/epoch_loss"]) == metrics["train/loss"] and float(last["val/acc"]) == metrics["val/acc"]
+    assert rows[0]["val/acc"] == "" and rows[1]["train/loss"] == ""
+
+
+def test_tensorboard_has_the_csv_values_on_the_same_steps(logged):
+    run_dir, metrics, _, _ = logged
+    accumulator = events(run_dir)
+    for name, points in csv_series(run_dir).items():
+        logged_points = {event.step: event.value for event in accumulator.Scalars(name)}
+        assert logged_points.keys() == points.keys(), name
+        for step, value in points.items():
+            assert logged_points[step] == pytest.approx(value, rel=1e-6, abs=1e-9), (name, step)  # events: float32
+    assert [event.value for event in accumulator.Scalars("model/params")] == [metrics["model/params"]]
+    assert event_files(run_dir) == [event_files(run_dir)[0]] and "/" not in event_files(run_dir)[0]
+    names, metric_names, values = hparams_row(run_dir)
+    assert metric_names == list(HPARAMS_METRICS) and names == [] and values == {}  # no overrides: nothing varied
+
+
+def test_wandb_offline_run(logged):
+    run_dir, metrics, config, _ = logged
+    (run,) = wandb_runs(run_dir)  # offline: no credentials in the test's environment
+    assert (run.project, run.group, run.tags) == ("hydraloop", "", ["digits", "smoke"])
+    assert run.config == config  # the resolved config, flattened
+    assert run.config["optimizer.lr"] == 0.003 and run.config["model.hidden_sizes"] == "[128, 128]"
+    history = {row["_step"]: row for row in run.history}
+    assert sorted(history) == STEPS
+    for name, points in csv_series(run_dir).items():
+        assert {step: row[name] for step, row in history.items() if name in row} == points, name
+    for key, value in metrics.items():  # the final metrics: metrics.json as the run's summary
+        assert run.summary[key] == value, key
+    assert run.summary["run_dir"] == str(run_dir)
+
+
+def test_mlflow_run(logged):
+    run_dir, metrics, config, tracking_uri = logged
+    (run,) = mlflow_runs(tracking_uri, "Default")  # a single run: MLflow's default experiment
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["run_dir"] == str(run_dir)
+    assert run.data.params == {key: str(value) for key, value in config.items()}
+    for name, points in csv_series(run_dir).items():
+        assert mlflow_history(tracking_uri, run.info.run_id, name) == points, name
+    assert mlflow_history(tracking_uri, run.info.run_id, "model/params") == {0: metrics["model/params"]}
+    final = {key.removeprefix("final/"): value for key, value in run.data.metrics.items() if key.startswith("final/")}
+    assert final == {key: value for key, value in metrics.items() if isinstance(value, (int, float))}
+
+
+def test_parameter_count(logged):
+    run_dir, metrics, _, _ = logged
+    weights = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+    assert metrics["model/params"] == sum(tensor.numel() for tensor in weights.values()) == 26122
+
+
+# --- bad input ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def reject(train_in_process, tmp_path, caplog):
+    return lambda *overrides: rejected_in_process(train_in_process, tmp_path, caplog, *overrides)
+
+
+@pytest.mark.parametrize("package", ["wandb", "mlflow"])
+def test_missing_package_names_the_extra(reject, monkeypatch, package):
+    monkeypatch.setitem(sys.modules, package, None)  # Python's own way to make `import wandb` fail
+    error = reject(f"logger=[tensorboard,{package}]")
+    assert error == (
+        f"logger.{package}: needs the {package} package, which is not installed; pip install 'hydraloop[{package}]'"
+    )
+
+
+def test_unreachable_tracking_uri(reject, tmp_path):
+    uri = f"http://127.0.0.1:{free_port()}"
+    error = reject("logger=mlflow", f"logger.mlflow.tracking_uri={uri}")
+    assert error.startswith(f"logger.mlflow.tracking_uri={uri}: no MLflow server answers at 127.0.0.1:"), error
+
+
+def test_tracking_database_that_cannot_be_made(reject, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    error = reject("logger=mlflow", f"logger.mlflow.tracking_uri=sqlite:///{blocker}/mlflow.db")
+    assert error == f"logger.mlflow.tracking_uri=sqlite:///{blocker}/mlflow.db: cannot make the database in {blocker}"
+    blocker.unlink()
+
+
+def test_folder_store(reject, monkeypatch, tmp_path):
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    error = reject("logger=mlflow", f"logger.mlflow.tracking_uri={tmp_path / 'mlruns'}")
+    assert error.startswith(f"logger.mlflow.tracking_uri={tmp_path / 'mlruns'}: a folder store, which MLflow 3 refuses")
+
+
+def test_unknown_logger_option(run_train, tmp_path):
+    """Like any unknown group option, refused by Hydra while composing, before the run directory exists."""
+    run = run_train("logger=[tensorboard,neptune]", run_dir=tmp_path / "never")
+    assert run.returncode == 1 and "Traceback" not in run.output, run.output
+    assert "'logger/neptune'" in run.output  # Hydra: "Could not load 'logger/neptune'"
+    assert not run.run_dir.exists()
+
+
+def test_wandb_mode_follows_credentials(monkeypatch, tmp_path):
+    from hydraloop.loggers.wandb import WandbLogger
+
+    isolate_wandb(monkeypatch, tmp_path)
+    assert WandbLogger().mode == "offline"
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert WandbLogger().mode == "online"
+    monkeypatch.delenv("WANDB_API_KEY")
+    (tmp_path / "no-netrc").write_text("machine api.wandb.ai login user password " + "y" * 40 + "\n")
+    (tmp_path / "no-netrc").chmod(0o600)
+    assert WandbLogger().mode == "online"  # `wandb login` saved a key
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert WandbLogger().mode is None  # W&B's own variable decides
+    assert WandbLogger(mode="offline").mode == "offline"
