@@ -153,6 +153,7 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice, job: JobInfo) -> dict
             start_step=state.global_step,
             num_params=num_params,
             job=job,
+            val_metrics=task.reported_metrics(),
         )
         if strategy.is_main_process
         else NullRunWriter()

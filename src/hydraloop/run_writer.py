@@ -50,11 +50,12 @@ class RunWriter(NullRunWriter):
         start_step: int = 0,
         num_params: int = 0,
         job: JobInfo | None = None,
+        val_metrics: tuple[str, ...] = (),
     ) -> None:
         """`keep_last_k`: step-named checkpoints kept beside last.pt; `start_step`: the step this run resumed from
         (0: from scratch), which separates this run's line of checkpoints from one it abandoned (see
         `_keep_last_k`); `num_params`: the model's parameter count; `job`: the Hydra job's overrides and multirun,
-        if any."""
+        if any; `val_metrics`: the names of the task's validation metrics."""
         self.run_dir = Path(run_dir)
         self.checkpoint_dir = self.run_dir / "checkpoints"
         self.logger = logger
@@ -64,7 +65,7 @@ class RunWriter(NullRunWriter):
         self.start_step = start_step
         self.saved_steps: set[int] = set()
         with self._logger_errors():
-            logger.start(RunInfo(self.run_dir, config, num_params, job or JobInfo()))
+            logger.start(RunInfo(self.run_dir, config, num_params, job or JobInfo(), tuple(val_metrics)))
 
     def progress(self, total_steps: int, done_steps: int) -> AbstractContextManager[tqdm]:
         return progress_bar(total_steps, done_steps)

@@ -53,6 +53,8 @@ class RunInfo:
     """The resolved config, as plain nested values."""
     num_params: int
     job: JobInfo = field(default_factory=JobInfo)
+    val_metrics: tuple[str, ...] = ()
+    """The names of the validation metrics the task reports (hydraloop.tasks)."""
 
     @property
     def flat_config(self) -> dict[str, Scalar]:

@@ -6,12 +6,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from hydraloop.config import VAL_METRICS
 from hydraloop.loggers.base import NullLogger, RunInfo
-
-HPARAMS_METRICS = (*VAL_METRICS, "train/epoch_loss")
-"""The metrics every run declares to the HParams tab, whatever it logged: TensorBoard takes the columns of a sweep's
-comparison from one run's declaration, so all runs must declare the same."""
 
 
 class TensorBoardLogger(NullLogger):
@@ -20,6 +15,7 @@ class TensorBoardLogger(NullLogger):
         from torch.utils.tensorboard.summary import hparams as hparams_summary
 
         self.writer = SummaryWriter(log_dir=str(run.run_dir / "tensorboard"))
+        self.val_metrics = run.val_metrics
         # Indented four spaces: TensorBoard's text plugin renders that as a code block.
         config_yaml = OmegaConf.to_yaml(run.config)
         self.writer.add_text("config", "\n".join("    " + line for line in config_yaml.splitlines()))
@@ -27,8 +23,9 @@ class TensorBoardLogger(NullLogger):
         # The HParams tab's row for this run: its overridden keys (a sweep's varying ones among them), written into
         # the run's own event file. SummaryWriter.add_hparams would write them into a new timestamped sub-run, a
         # second row without the run's scalars (pytorch/pytorch#32651). The metric columns read each run's last
-        # value of the scalar of that name.
-        metrics = dict.fromkeys(HPARAMS_METRICS, 0.0)  # only the names are written into the declaration
+        # value of the scalar of that name. Every run declares the same ones whatever it logged (its task's, and the
+        # train loss): TensorBoard takes the columns of a sweep's comparison from one run's declaration.
+        metrics = dict.fromkeys([*run.val_metrics, "train/epoch_loss"], 0.0)  # only the names are written
         file_writer = self.writer._get_file_writer()
         for summary in hparams_summary(run.hparams, metrics):
             file_writer.add_summary(summary)
@@ -40,7 +37,7 @@ class TensorBoardLogger(NullLogger):
     def finish(self, metrics: dict[str, Any]) -> None:
         # The final validation metrics at the last step as well: a `mode=eval` run logged none before.
         step = metrics.get("global_step", 0)
-        for name in VAL_METRICS:
+        for name in self.val_metrics:
             if isinstance(metrics.get(name), float):
                 self.writer.add_scalar(name, metrics[name], step)
         self.writer.close()
