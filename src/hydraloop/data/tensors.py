@@ -4,9 +4,10 @@ data.num_classes=3`.
 The file is a numpy `.npz` (`np.savez("my.npz", x=x, y=y)`) or a torch `.pt` holding a dict of tensors
 (`torch.save({"x": x, "y": y}, "my.pt")`, read with `weights_only=True`, so loading it runs no code). `x` holds the
 inputs, floating point, shaped `(N, *input_shape)`; `y` the labels, integer class indices in `[0, num_classes)`,
-shaped `(N,)`. If the file also holds `x_val` and `y_val` (`<x_key>_val`, `<y_key>_val`), they are the validation
-set; otherwise a fixed `val_fraction` of the samples is held out, chosen by `split_seed`, or, with `num_folds`, fold
-`fold` of them (k-fold cross-validation, which a file with its own validation set refuses).
+shaped `(N,)`, or, with `target_shape` (task=regression), real values shaped `(N, *target_shape)`. If the file also
+holds `x_val` and `y_val` (`<x_key>_val`, `<y_key>_val`), they are the validation set; otherwise a fixed
+`val_fraction` of the samples is held out, chosen by `split_seed`, or, with `num_folds`, fold `fold` of them (k-fold
+cross-validation, which a file with its own validation set refuses).
 
 Anything wrong with the file is a ConfigError: one line naming the config key, the value and what was found.
 """
@@ -35,8 +36,10 @@ def load_tensors(
     y_key: str = "y",
     num_folds: int | None = None,
     fold: int = 0,
+    target_shape: Sequence[int] | None = None,
 ) -> tuple[TensorDataset, TensorDataset]:
-    """(train, val) TensorDatasets of float32 inputs and int64 labels read from `path` (.npz or .pt)."""
+    """(train, val) TensorDatasets of float32 inputs and int64 labels (float32 targets with `target_shape`) read
+    from `path` (.npz or .pt)."""
     where = f"data.dataset.path={path}"
     arrays = _read(Path(str(path)), where)
     x_val_key, y_val_key = f"{x_key}_val", f"{y_key}_val"
@@ -52,14 +55,15 @@ def load_tensors(
         raise ConfigError(f"{where}: has '{present}' but no '{absent}'; give both for a validation set, or neither")
 
     input_shape = [int(size) for size in input_shape]
-    x, y = _checked(arrays, x_key, y_key, input_shape, num_classes, where)
+    targets = None if target_shape is None else [int(size) for size in target_shape]
+    x, y = _checked(arrays, x_key, y_key, input_shape, num_classes, targets, where)
     if all(has_val):
         if num_folds is not None:
             raise ConfigError(
                 f"data.num_folds={num_folds}: {where} holds its own validation set ('{x_val_key}', '{y_val_key}'); "
                 "k-fold splits one pool of samples: leave them out of the file, or set data.num_folds=null"
             )
-        x_val, y_val = _checked(arrays, x_val_key, y_val_key, input_shape, num_classes, where)
+        x_val, y_val = _checked(arrays, x_val_key, y_val_key, input_shape, num_classes, targets, where)
         return TensorDataset(x, y), TensorDataset(x_val, y_val)
     if num_folds is not None:
         train, val = fold_split(y, num_folds, fold, split_seed)
@@ -112,7 +116,13 @@ def _read(path: Path, where: str) -> dict[str, torch.Tensor]:
 
 
 def _checked(
-    arrays: dict[str, Any], x_key: str, y_key: str, input_shape: list[int], num_classes: int, where: str
+    arrays: dict[str, Any],
+    x_key: str,
+    y_key: str,
+    input_shape: list[int],
+    num_classes: int,
+    target_shape: list[int] | None,
+    where: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     x, y = arrays[x_key], arrays[y_key]
     for key, value in ((x_key, x), (y_key, y)):
@@ -120,6 +130,8 @@ def _checked(
             raise ConfigError(f"{where}: '{key}' holds a {type(value).__name__}, not a tensor")
     if not x.is_floating_point():
         raise ConfigError(f"{where}: '{x_key}' has dtype {_dtype(x)}; inputs must be floating point (e.g. float32)")
+    if target_shape is not None:
+        return _with_real_targets(x, y, x_key, y_key, input_shape, target_shape, where)
     if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
         raise ConfigError(
             f"{where}: '{y_key}' has dtype {_dtype(y)}; labels must be integer class indices (e.g. int64)"
@@ -148,11 +160,45 @@ def _checked(
         raise ConfigError(
             f"{where}: '{y_key}' holds labels from {low} to {high}, outside [0, data.num_classes={num_classes})"
         )
-    x = x.to(torch.float32)
-    bad = int((~torch.isfinite(x)).sum())
+    return _finite(x, x_key, where), y.to(torch.int64)
+
+
+def _with_real_targets(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    x_key: str,
+    y_key: str,
+    input_shape: list[int],
+    target_shape: list[int],
+    where: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`data.target_shape` set (task=regression): `y` holds real values shaped `(N, *target_shape)`."""
+    if not y.is_floating_point():
+        raise ConfigError(
+            f"{where}: '{y_key}' has dtype {_dtype(y)}, integer labels; data.target_shape={target_shape} asks for "
+            "real-valued targets (floating point; or data.target_shape=null for class labels)"
+        )
+    if y.dim() == 0 or len(x) != len(y):
+        raise ConfigError(f"{where}: '{x_key}' has {len(x)} samples but '{y_key}' has {len(y) if y.dim() else 0}")
+    if list(y.shape[1:]) != target_shape:
+        raise ConfigError(
+            f"{where}: '{y_key}' samples have shape {list(y.shape[1:])} ('{y_key}' is {list(y.shape)}), "
+            f"but data.target_shape={target_shape}"
+        )
+    if list(x.shape[1:]) != input_shape:
+        raise ConfigError(
+            f"{where}: '{x_key}' samples have shape {list(x.shape[1:])} ('{x_key}' is {list(x.shape)}), "
+            f"but data.input_shape={input_shape}"
+        )
+    return _finite(x, x_key, where), _finite(y, y_key, where)
+
+
+def _finite(values: torch.Tensor, key: str, where: str) -> torch.Tensor:
+    values = values.to(torch.float32)
+    bad = int((~torch.isfinite(values)).sum())
     if bad:
-        raise ConfigError(f"{where}: '{x_key}' holds {bad} NaN or infinite value(s) (as float32)")
-    return x.contiguous(), y.to(torch.int64)
+        raise ConfigError(f"{where}: '{key}' holds {bad} NaN or infinite value(s) (as float32)")
+    return values.contiguous()
 
 
 def _names(keys: Sequence[str]) -> str:
