@@ -97,7 +97,9 @@ def encode(text: str | bytes, vocab: str | None, where: str = "text") -> Tensor:
     A character outside the vocabulary is a ConfigError naming `where`, the character and its position.
     """
     if vocab is None:
-        return torch.frombuffer(bytearray(text.encode() if isinstance(text, str) else text), dtype=torch.uint8).long()
+        # surrogateescape: a command-line argument that was not UTF-8 comes back as its own bytes
+        data = text.encode("utf-8", "surrogateescape") if isinstance(text, str) else text
+        return torch.from_numpy(np.frombuffer(data, dtype=np.uint8).astype(np.int64))
     if not isinstance(text, str):
         raise TypeError("encode: a character vocabulary encodes str, not bytes")
     if not vocab or len(set(vocab)) != len(vocab):
