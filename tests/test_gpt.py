@@ -40,12 +40,21 @@ def test_future_tokens_do_not_change_past_logits():
 
 
 def test_output_head_is_the_token_embedding():
-    model = tiny_gpt()
-    assert model.lm_head.weight is model.token_embedding.weight
-    names = [name for name, _ in model.named_parameters()]
-    assert "token_embedding.weight" in names and "lm_head.weight" not in names  # one Parameter, listed once
-    state = model.state_dict()
-    assert state["lm_head.weight"].data_ptr() == state["token_embedding.weight"].data_ptr()
+    model = tiny_gpt().eval()
+    assert [name for name, _ in model.named_parameters() if "embedding" in name] == [
+        "token_embedding.weight",
+        "position_embedding.weight",
+    ]
+    assert not any(isinstance(module, torch.nn.Linear) and module.out_features == 11 for module in model.modules())
+    idx = tokens(1, 16)
+    hidden = {}
+    model.final_norm.register_forward_hook(lambda module, args, output: hidden.update(h=output))
+    logits = model(idx)
+    torch.testing.assert_close(logits, hidden["h"] @ model.token_embedding.weight.T)
+    # One Parameter: a step on the head moves the embedding (and an optimizer sees it once).
+    model.token_embedding.weight.grad = None
+    logits[0, -1, 3].backward()
+    assert model.token_embedding.weight.grad[3].abs().sum() > 0
 
 
 def test_every_parameter_gets_a_gradient():

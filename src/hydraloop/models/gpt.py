@@ -96,9 +96,9 @@ class GPT(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, bias) for _ in range(n_layer))
         self.final_norm = nn.LayerNorm(n_embd, bias=bias)
-        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
-        # Weight tying (Press & Wolf 2017, as GPT-2): one Parameter, so optimizers, DDP and FSDP see it once.
-        self.lm_head.weight = self.token_embedding.weight
+        # The output head is the token embedding's weight (tying, Press & Wolf 2017, as GPT-2), applied in forward
+        # rather than held by an nn.Linear of its own: FSDP cannot put one parameter in two units, and
+        # parallel=fsdp's default units are the Linear modules.
         self.apply(_init_gpt2)
         # GPT-2 scales the projections that write into the residual stream by 1/sqrt(2 * n_layer): two per block,
         # so the stream's variance does not grow with depth.
@@ -115,10 +115,10 @@ class GPT(nn.Module):
         x = self.dropout(self.token_embedding(idx) + self.position_embedding(positions))
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.final_norm(x))
+        return F.linear(self.final_norm(x), self.token_embedding.weight)
 
     def num_params(self, non_embedding: bool = True) -> int:
-        """Parameters, the tied embedding / head weight counted once. non_embedding: without the position
+        """Parameters (the token embedding, which is also the output head, once). non_embedding: without the position
         embedding (the token embedding stays: as the output head it does matmul work), as nanoGPT counts them."""
         count = sum(parameter.numel() for parameter in self.parameters())
         return count - self.position_embedding.weight.numel() if non_embedding else count
