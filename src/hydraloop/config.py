@@ -9,10 +9,11 @@ own, which the option's yaml names in its defaults (`/schema/parallel/ddp@_here_
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from hydra.utils import get_class
 from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
 from hydraloop.errors import ConfigError
 
@@ -104,6 +106,12 @@ class DataConfig:
     """The validation fold, in [0, num_folds)."""
     dataset: Any = MISSING
     """`_target_` returning (train, val) datasets, with its own keys."""
+    block_size: int | None = None
+    """Sequence data (data=text): tokens per sample, the context length a model reads as model.block_size."""
+    vocab: str | None = None
+    """data=text: the vocabulary, resolved from the file (hydraloop.data.text); null at byte level."""
+    vocab_size: int | None = None
+    """Sequence data: the number of distinct tokens, read by a language model as model.vocab_size."""
 
 
 @dataclass
@@ -241,10 +249,33 @@ def run_owner_only(value: Any) -> Any:
     return value if may_own(HydraConfig.get().runtime.output_dir) else None
 
 
+class ResolverConfigError(InterpolationResolutionError, ConfigError):
+    """A ConfigError raised by a resolver. OmegaConf passes its own errors through as they are, where it would wrap
+    any other in a message of several lines and drop the cause: so this one still ends the run as one line."""
+
+    _initialized = True  # tells OmegaConf's error formatting that the message is complete
+
+
+def _reporting_config_errors(resolver: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(resolver)
+    def resolve(*args: Any) -> Any:
+        try:
+            return resolver(*args)
+        except ConfigError as error:
+            raise ResolverConfigError(str(error)) from None
+
+    return resolve
+
+
 def register_configs() -> None:
     """The schemas, and the resolvers: `${sweep_direction:max}` -> maximize (for sweepers), `${shared_run_path:}`,
-    `${rank_zero_only:value}`, `${run_owner_only:value}`, `${default_metric:<task class>}` and
-    `${metric_mode:<task class>,<metric>}`."""
+    `${rank_zero_only:value}`, `${run_owner_only:value}`, `${default_metric:<task class>}`,
+    `${metric_mode:<task class>,<metric>}`, and data=text's `${text_vocab:path,level}` and `${text_vocab_size:vocab}`."""
+    from hydraloop.data import text  # here, not at the top: the module imports torch and numpy
+
+    for name, resolver in (("text_vocab", text.text_vocab), ("text_vocab_size", text.vocab_size)):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, _reporting_config_errors(resolver))
     if not OmegaConf.has_resolver("sweep_direction"):
         OmegaConf.register_new_resolver("sweep_direction", lambda mode: {"max": "maximize", "min": "minimize"}[mode])
     if not OmegaConf.has_resolver("shared_run_path"):

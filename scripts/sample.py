@@ -1,0 +1,102 @@
+"""Generate text from a language-model checkpoint (model=gpt, data=text), as nanoGPT's sample.py does.
+
+    python scripts/sample.py outputs/DATE/TIME/checkpoints/best.pt --prompt "ROMEO:" --max-new-tokens 500
+
+Rebuilds the model from the checkpoint's own config (`config.model`, with hydra.utils.instantiate), loads its
+weights and decodes with the vocabulary stored in its config (`config.data.vocab`, null for bytes), so the text
+comes back exactly as training encoded it. The same checkpoint, prompt, settings, seed and device give the same
+text. Bad input (no such file, not a language-model checkpoint, a prompt character outside the vocabulary) is one
+line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.utils import instantiate
+
+from hydraloop.data.text import decode, encode
+from hydraloop.errors import BAD_INPUT_EXIT_CODE, ConfigError
+from hydraloop.parallel.single import resolve_device
+
+SEPARATOR = "---------------"  # between samples, as nanoGPT prints them
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", type=Path, help="a checkpoint written by training, e.g. checkpoints/best.pt")
+    parser.add_argument("--prompt", default=None, help="text to continue (default: a newline, or the first token)")
+    parser.add_argument("--max-new-tokens", type=int, default=500)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0: always the most likely token")
+    parser.add_argument("--top-k", type=int, default=200, help="sample among the k most likely tokens; 0: all")
+    parser.add_argument(
+        "--num-samples", type=int, default=1, help=f"printed one after another, with {SEPARATOR} between"
+    )
+    parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
+    args = parser.parse_args(argv)
+    try:
+        texts = sample(args)
+    except ConfigError as error:
+        print(f"sample.py: {error}", file=sys.stderr)
+        return BAD_INPUT_EXIT_CODE
+    print(f"\n{SEPARATOR}\n".join(texts))
+    return 0
+
+
+def sample(args: argparse.Namespace) -> list[str]:
+    for flag, value, low in (("max-new-tokens", args.max_new_tokens, 0), ("num-samples", args.num_samples, 1)):
+        if value < low:
+            raise ConfigError(f"--{flag}={value}: must be at least {low}")
+    if args.temperature < 0:
+        raise ConfigError(f"--temperature={args.temperature}: must be >= 0 (0: greedy)")
+    if args.top_k < 0:
+        raise ConfigError(f"--top-k={args.top_k}: must be >= 0 (0: no limit)")
+    device = resolve_device(args.device)
+    model, vocab = load_language_model(args.checkpoint, device)
+    prompt = args.prompt if args.prompt is not None else default_prompt(vocab)
+    idx = encode(prompt, vocab, where=f"--prompt={prompt!r}").to(device)
+    if idx.numel() == 0:
+        raise ConfigError("--prompt='': give at least one character")
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    samples = []
+    for _ in range(args.num_samples):
+        tokens = model.generate(
+            idx[None], args.max_new_tokens, args.temperature, top_k=args.top_k or None, generator=generator
+        )
+        samples.append(decode(tokens[0].cpu(), vocab))
+    return samples
+
+
+def load_language_model(path: Path, device: torch.device) -> tuple[torch.nn.Module, str | None]:
+    """The checkpoint's model, on `device` in eval mode, and its vocabulary (None: bytes)."""
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such file")
+    try:
+        checkpoint: Any = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # not a checkpoint at all: one line, without the unpickler's story
+        raise ConfigError(f"{path}: cannot be read as a checkpoint: {str(error).strip().splitlines()[0]}") from None
+    config = checkpoint.get("config") if isinstance(checkpoint, dict) else None
+    if not isinstance(config, dict) or "model" not in checkpoint or "model" not in config:
+        raise ConfigError(f"{path}: not a hydraloop checkpoint (needs 'model' and 'config' with a 'model' section)")
+    data = config.get("data") or {}
+    if "vocab" not in data:
+        raise ConfigError(
+            f"{path}: not a language-model checkpoint (its data config has no vocab; train with data=text)"
+        )
+    model = instantiate(config["model"])
+    model.load_state_dict(checkpoint["model"])
+    return model.to(device).eval(), data["vocab"]
+
+
+def default_prompt(vocab: str | None) -> str:
+    """A newline, as nanoGPT starts: a text's natural beginning. A vocabulary without one starts at its first token."""
+    return "\n" if vocab is None or "\n" in vocab else vocab[0]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
