@@ -270,7 +270,8 @@ def _reporting_config_errors(resolver: Callable[..., Any]) -> Callable[..., Any]
 def register_configs() -> None:
     """The schemas, and the resolvers: `${sweep_direction:max}` -> maximize (for sweepers), `${shared_run_path:}`,
     `${rank_zero_only:value}`, `${run_owner_only:value}`, `${default_metric:<task class>}`,
-    `${metric_mode:<task class>,<metric>}`, and data=text's `${text_vocab:path,level}` and `${text_vocab_size:vocab}`."""
+    `${metric_mode:<task class>,<metric>}`, and data=text's `${text_vocab:path,level}` and
+    `${text_vocab_size:vocab}`."""
     from hydraloop.data import text  # here, not at the top: the module imports torch and numpy
 
     for name, resolver in (("text_vocab", text.text_vocab), ("text_vocab_size", text.vocab_size)):
