@@ -157,9 +157,10 @@ class DDPConfig(ProcessGroupConfig):
 @dataclass
 class FSDPConfig(ProcessGroupConfig):
     _target_: str = "hydraloop.parallel.fsdp.FSDPStrategy"
-    shard_modules: list[str] | None = field(default_factory=lambda: ["Linear"])
+    shard_modules: list[str] | None = None
     """Class names of the modules that each become one FSDP unit (all-gathered together); the root unit takes
-    the remaining parameters. Each name must match a module of the model. null or []: one unit, the root."""
+    the remaining parameters. Each name must match a module of the model. null: the model's `_no_split_modules`
+    (GPT: [Block]), else [Linear]. []: one unit, the root."""
     reshard_after_forward: bool = True
     """Free each unit's gathered parameters after its forward and gather them again for backward: less memory,
     more communication. false keeps them until backward."""

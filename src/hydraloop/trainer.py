@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from hydraloop.checkpoint import TrainState, checkpoint_state
 from hydraloop.errors import Interrupted
+from hydraloop.keyed_dropout import KeyedDropout, RowKeys
 from hydraloop.losses import Interval, check_finite, check_not_all_skipped, nonfinite_on_any_rank
 from hydraloop.parallel.single import SingleDevice
 from hydraloop.perf import Throughput, interval_peak_memory_gb
@@ -87,6 +88,9 @@ class Trainer:
         self.stop_request = stop_request or StopRequest()
         self.stop_signum = 0  # the stop signal all ranks agreed on at the last reduction
         self.seed_step = StepSeeder(seed, strategy.rank, strategy.devices)
+        # Only for a model that has KeyedDropout: every other model pays nothing for it.
+        keyed = any(isinstance(module, KeyedDropout) for module in model.modules())
+        self.row_keys = RowKeys(seed, strategy.rank, strategy.world_size, strategy.device) if keyed else None
         self.progress, self.profiler = tqdm(disable=True), NullProfiler()  # fit() swaps in the writer's
         self.validated_at = self.saved_at = -1  # global steps of the latest validation and checkpoint
 
@@ -195,7 +199,8 @@ class Trainer:
             inputs, targets = next(batches)
             interval.data_wait_s += time.perf_counter() - wait_start
             self.seed_step(state.global_step)
-            loss = self.train_step(inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True))
+            inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+            loss = self.train_step(inputs, targets, state.global_step)
             self.scheduler.step()
             self.profiler.step()
             state.global_step += 1
@@ -239,9 +244,9 @@ class Trainer:
             log.info("stopping %s", where)  # the launcher of spawned ranks reports only the signal
             raise Interrupted(self.stop_signum, f"{where}: {self._resume_hint()}")
 
-    def train_step(self, inputs: Tensor, targets: Tensor) -> Tensor | None:
-        """One optimizer step over this rank's batch, in `grad_accum_steps` micro-batches; returns the mean loss,
-        or None if the update was skipped for a non-finite loss (trainer.nonfinite_loss=skip)."""
+    def train_step(self, inputs: Tensor, targets: Tensor, step: int) -> Tensor | None:
+        """Optimizer step `step` (counted from 0) over this rank's batch, in `grad_accum_steps` micro-batches; returns
+        the mean loss, or None if the update was skipped for a non-finite loss (trainer.nonfinite_loss=skip)."""
         model, optimizer = self.model, self.optimizer
         if self.channels_last and inputs.ndim == 4:
             inputs = inputs.contiguous(memory_format=torch.channels_last)
@@ -249,13 +254,17 @@ class Trainer:
         n = self.grad_accum_steps
         micro_batches = zip(inputs.chunk(n), targets.chunk(n)) if n > 1 else ((inputs, targets),)
         loss_sum = None
+        first_row = 0
         for i, (micro_inputs, micro_targets) in enumerate(micro_batches):
+            rows = len(micro_inputs)
+            keys = self.row_keys(step, first_row, rows) if self.row_keys else nullcontext()
             # Gradients are all-reduced once, after the last micro-batch's backward.
             with self.strategy.no_sync(model) if i < n - 1 else nullcontext():
-                with self.precision.autocast():
+                with self.precision.autocast(), keys:
                     loss = self.task.loss(model(micro_inputs), micro_targets)
                 # Equal micro-batches: the mean of their means is the batch mean, as without accumulation.
                 self.precision.backward(loss / n if n > 1 else loss)
+            first_row += rows
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
         if self.skip_nonfinite and nonfinite_on_any_rank(loss_sum, self.strategy):
             optimizer.zero_grad(set_to_none=True)

@@ -3,6 +3,10 @@
 Token and learned position embeddings, `n_layer` pre-LayerNorm blocks (causal self-attention through
 `F.scaled_dot_product_attention`, then a 4x GELU MLP), a final LayerNorm, and an output head that shares its weight
 with the token embedding. Initialised as GPT-2 is. `forward` maps token ids (B, T) to next-token logits (B, T, vocab).
+
+Dropout is KeyedDropout (hydraloop.keyed_dropout), on the embeddings and on each residual branch, so that training
+with dropout ends with the same weights under every strategy. The attention weights are not dropped: the fused
+attention kernels draw that mask from the device's generator, which would tie the result to how the batch is split.
 """
 
 import math
@@ -12,16 +16,16 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from hydraloop.errors import ConfigError
+from hydraloop.keyed_dropout import KeyedDropout
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool) -> None:
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool, dropout_key: int) -> None:
         super().__init__()
         self.n_head = n_head
-        self.dropout = dropout
         self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=bias)  # queries, keys and values of all heads in one matmul
         self.out_proj = nn.Linear(n_embd, n_embd, bias=bias)
-        self.resid_dropout = nn.Dropout(dropout)
+        self.resid_dropout = KeyedDropout(dropout, key=dropout_key)
 
     def forward(self, x: Tensor) -> Tensor:
         batch, time, channels = x.shape
@@ -29,20 +33,18 @@ class CausalSelfAttention(nn.Module):
             t.view(batch, time, self.n_head, channels // self.n_head).transpose(1, 2)
             for t in self.qkv(x).split(channels, dim=2)
         )
-        # The fused kernel (flash / memory-efficient on CUDA) masks the future itself; its dropout is not switched
-        # off by .eval(), hence the explicit condition.
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # the fused kernel masks the future itself
         y = y.transpose(1, 2).contiguous().view(batch, time, channels)
         return self.resid_dropout(self.out_proj(y))
 
 
 class MLP(nn.Module):
-    def __init__(self, n_embd: int, dropout: float, bias: bool) -> None:
+    def __init__(self, n_embd: int, dropout: float, bias: bool, dropout_key: int) -> None:
         super().__init__()
         self.fc = nn.Linear(n_embd, 4 * n_embd, bias=bias)
         self.gelu = nn.GELU()
         self.out_proj = nn.Linear(4 * n_embd, n_embd, bias=bias)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = KeyedDropout(dropout, key=dropout_key)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.dropout(self.out_proj(self.gelu(self.fc(x))))
@@ -52,12 +54,12 @@ class Block(nn.Module):
     """One transformer block, pre-LayerNorm: x + attn(ln(x)), then x + mlp(ln(x)). Under `parallel=fsdp` each
     block is one shard unit (GPT._no_split_modules)."""
 
-    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool) -> None:
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool, index: int) -> None:
         super().__init__()
         self.attn_norm = nn.LayerNorm(n_embd, bias=bias)
-        self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias, dropout_key=1 + 2 * index)
         self.mlp_norm = nn.LayerNorm(n_embd, bias=bias)
-        self.mlp = MLP(n_embd, dropout, bias)
+        self.mlp = MLP(n_embd, dropout, bias, dropout_key=2 + 2 * index)
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.attn_norm(x))
@@ -93,8 +95,8 @@ class GPT(nn.Module):
         self.n_layer, self.n_head, self.n_embd = n_layer, n_head, n_embd
         self.token_embedding = nn.Embedding(vocab_size, n_embd)
         self.position_embedding = nn.Embedding(block_size, n_embd)
-        self.dropout = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, bias) for _ in range(n_layer))
+        self.dropout = KeyedDropout(dropout, key=0)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, bias, index) for index in range(n_layer))
         self.final_norm = nn.LayerNorm(n_embd, bias=bias)
         # The output head is the token embedding's weight (tying, Press & Wolf 2017, as GPT-2), applied in forward
         # rather than held by an nn.Linear of its own: FSDP cannot put one parameter in two units, and

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from hydraloop.errors import ConfigError
+from hydraloop.keyed_dropout import current_rows, rows_of
 from hydraloop.parallel.single import SingleDevice, resolve_device
 
 log = logging.getLogger(__name__)
@@ -82,18 +83,20 @@ def gpus_to_split_over(device: str, device_ids: Sequence[int] | None) -> list[in
 
 
 class AutocastDataParallel(nn.DataParallel):
-    """nn.DataParallel whose replicas compute in the caller's autocast dtype.
+    """nn.DataParallel whose replicas compute in the caller's autocast dtype, and know their rows of the batch.
 
     The replicas run in threads, and parallel_apply re-enters autocast there without a dtype. The autocast dtype is
     per thread, and a new thread has the default one (float16 on CUDA): a bf16 run would compute in float16 with no
-    loss scaling (torch 2.13). Each replica enters the caller's autocast once more, inside its thread.
+    loss scaling (torch 2.13). Each replica enters the caller's autocast once more, inside its thread. Likewise each
+    is told which global rows its slice of the batch holds, for KeyedDropout (hydraloop.keyed_dropout).
     """
 
     def parallel_apply(self, replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Any) -> list[Any]:
+        replicas = keyed_replicas(replicas, inputs)
         return super().parallel_apply(autocast_replicas(replicas, self.src_device_obj.type), inputs, kwargs)
 
 
-def autocast_replicas(replicas: Sequence[nn.Module], device_type: str) -> list[Callable[..., Any]]:
+def autocast_replicas(replicas: Sequence[Callable[..., Any]], device_type: str) -> list[Callable[..., Any]]:
     """`replicas`, each called under the autocast state of the calling thread (unchanged if autocast is off)."""
     if not torch.is_autocast_enabled(device_type):
         return list(replicas)
@@ -101,6 +104,29 @@ def autocast_replicas(replicas: Sequence[nn.Module], device_type: str) -> list[C
     return [partial(_call_in_autocast, replica, device_type, dtype) for replica in replicas]
 
 
-def _call_in_autocast(replica: nn.Module, device_type: str, dtype: torch.dtype, *args: Any, **kwargs: Any) -> Any:
+def keyed_replicas(replicas: Sequence[Callable[..., Any]], inputs: Sequence[Any]) -> list[Callable[..., Any]]:
+    """`replicas`, each called with the global rows of its slice of the batch (DataParallel scatters the batch's
+    rows in order), if the training loop set the batch's rows in this thread."""
+    keys = current_rows()
+    if keys is None:
+        return list(replicas)
+    rows, step_key = keys
+    sizes = [len(next(arg for arg in args if isinstance(arg, torch.Tensor))) for args in inputs]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [
+        partial(_call_with_rows, replica, rows[start : start + size], step_key)
+        for replica, start, size in zip(replicas, starts, sizes)
+    ]
+
+
+def _call_with_rows(replica: Callable[..., Any], rows: torch.Tensor, step_key: torch.Tensor, *args, **kwargs) -> Any:
+    device = next(arg for arg in args if isinstance(arg, torch.Tensor)).device
+    with rows_of(rows.to(device), step_key.to(device)):
+        return replica(*args, **kwargs)
+
+
+def _call_in_autocast(
+    replica: Callable[..., Any], device_type: str, dtype: torch.dtype, *args: Any, **kwargs: Any
+) -> Any:
     with torch.autocast(device_type, dtype=dtype):
         return replica(*args, **kwargs)

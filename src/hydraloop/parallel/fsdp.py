@@ -38,7 +38,7 @@ class FSDPStrategy(DDPStrategy):
     def __init__(
         self,
         device: str = "auto",
-        shard_modules: Sequence[str] | None = ("Linear",),
+        shard_modules: Sequence[str] | None = None,
         reshard_after_forward: bool = True,
         param_dtype: str | None = None,
         reduce_dtype: str | None = None,
@@ -46,7 +46,7 @@ class FSDPStrategy(DDPStrategy):
     ) -> None:
         """`process_group`: how the ranks start, meet and stop, as for DDP (hydraloop.config.ProcessGroupConfig)."""
         super().__init__(device, **process_group)
-        self.shard_modules = list(shard_modules or [])
+        self.shard_modules = None if shard_modules is None else list(shard_modules)
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = MixedPrecisionPolicy(
             param_dtype=_dtype("param_dtype", param_dtype), reduce_dtype=_dtype("reduce_dtype", reduce_dtype)
@@ -59,12 +59,20 @@ class FSDPStrategy(DDPStrategy):
         with torch.device("meta"):
             model = instantiate(cfg.model)
         found = {type(module).__name__ for module in model.modules()}
-        unmatched = [name for name in self.shard_modules if name not in found]
+        unmatched = [name for name in self.units(model) if name not in found]
         if unmatched:
             raise ConfigError(
                 f"parallel.shard_modules={self.shard_modules}: {', '.join(unmatched)} matches no module of "
                 f"{type(model).__name__} (it has {', '.join(sorted(found))})"
             )
+
+    def units(self, model: nn.Module) -> list[str]:
+        """The class names whose modules become units: `shard_modules`, or by default the model's own
+        `_no_split_modules` (Hugging Face's name for the blocks that must stay whole; hydraloop's GPT: Block), else
+        every Linear."""
+        if self.shard_modules is not None:
+            return self.shard_modules
+        return list(getattr(model, "_no_split_modules", None) or ["Linear"])
 
     def setup(self) -> None:
         super().setup()
@@ -77,8 +85,9 @@ class FSDPStrategy(DDPStrategy):
         options = dict(reshard_after_forward=self.reshard_after_forward, mp_policy=self.mp_policy, mesh=self.mesh)
         # fully_shard goes bottom-up (a unit takes the parameters no unit below it took); reversed pre-order
         # visits every module after all of its descendants.
+        units = self.units(model)
         for module in reversed(list(model.modules())):
-            if module is not model and type(module).__name__ in self.shard_modules:
+            if module is not model and type(module).__name__ in units:
                 fully_shard(module, **options)
         return fully_shard(model, **options)
 

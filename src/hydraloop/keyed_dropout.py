@@ -1,0 +1,132 @@
+"""Dropout whose mask depends on which sample it is applied to, not on how the batch was split.
+
+nn.Dropout draws its mask from a generator: each DDP rank draws for its own shard, and a micro-batch for itself, so
+the masks, and the trained weights, depend on the world size and on `trainer.grad_accum_steps`. KeyedDropout hashes
+(run seed, step, layer, the sample's row in the global batch, element) into each element's keep-or-drop: the same
+sample at the same step gets the same mask whether one process or one of N ranks computes it, in one batch or in the
+k-th micro-batch. Training with dropout then ends with the same weights under every strategy.
+
+The training loop says, around each forward pass, which rows of the global batch the local batch holds
+(`global_rows`); anywhere else (evaluation, a model called by hand) KeyedDropout is plain nn.Dropout.
+"""
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# SplitMix64's constants as signed 64-bit integers: torch has no unsigned 64-bit arithmetic, and signed products
+# wrap the same way modulo 2**64.
+_GOLDEN = 0x9E3779B97F4A7C15 - 2**64
+_MIX1 = 0xBF58476D1CE4E5B9 - 2**64
+_MIX2 = 0x94D049BB133111EB - 2**64
+
+
+_MASK64 = (1 << 64) - 1
+
+
+class _Rows(threading.local):
+    """Where the batch being computed sits in the global batch: a device tensor of its rows' global indices, and
+    the step's key. Per thread: DataParallel's replicas compute their slices of the batch in threads of their own."""
+
+    active = False
+    rows: Tensor
+    step_key: Tensor
+
+
+_current = _Rows()
+
+
+@contextmanager
+def rows_of(rows: Tensor, step_key: Tensor) -> Iterator[None]:
+    """In this thread, the batch computed holds global rows `rows` (for DataParallel's replica threads)."""
+    _current.active, _current.rows, _current.step_key = True, rows, step_key
+    try:
+        yield
+    finally:
+        _current.active = False
+
+
+def current_rows() -> tuple[Tensor, Tensor] | None:
+    """(rows, step key) of the batch this thread computes, if the training loop set them."""
+    return (_current.rows, _current.step_key) if _current.active else None
+
+
+class RowKeys:
+    """The trainer's side: `with keys(step, first_row, rows)` around a micro-batch's forward pass.
+
+    A rank's local row j is global row `rank + world_size * j` of the step's global batch: the training sampler
+    deals the global batch's samples to the ranks in turn (DistributedSampler). A micro-batch starting at local row
+    `first_row` continues that count.
+    """
+
+    def __init__(self, seed: int, rank: int, world_size: int, device: torch.device) -> None:
+        self.seed_key = int(np.random.SeedSequence([seed, 0x6B657965]).generate_state(1, np.uint64)[0])
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.step_key = torch.zeros((), dtype=torch.int64, device=device)
+        self.local_rows = self.global_rows = torch.empty(0, dtype=torch.int64, device=device)
+
+    def __call__(self, step: int, first_row: int, rows: int):  # -> context manager
+        if len(self.local_rows) != rows:
+            self.local_rows = torch.arange(rows, dtype=torch.int64, device=self.device)
+            self.global_rows = torch.empty_like(self.local_rows)
+        # No host-to-device copy: a fill and a multiply-add with Python numbers as kernel arguments.
+        self.step_key.fill_(_mix_int(self.seed_key + step))
+        torch.add(self.local_rows * self.world_size, self.rank + self.world_size * first_row, out=self.global_rows)
+        return rows_of(self.global_rows, self.step_key)
+
+
+class KeyedDropout(nn.Module):
+    """nn.Dropout(p) with a mask that is a function of (seed, step, `key`, global row, element) in training (see the
+    module docstring). `key` tells a model's dropout layers apart: give each its own."""
+
+    def __init__(self, p: float, key: int) -> None:
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout probability {p}: must be in [0, 1)")
+        self.p, self.key = p, key
+        self.key_term = _mix_int(key)  # tells the layers' masks apart
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        keys = current_rows()
+        if keys is None:
+            return F.dropout(x, self.p, training=True)
+        rows, step_key = keys
+        per_row = x[0].numel()
+        elements = rows[:, None] * per_row + torch.arange(per_row, dtype=torch.int64, device=x.device)
+        keep = _uniform(_mix(elements + step_key * _GOLDEN + self.key_term)) >= self.p
+        return x * keep.view(x.shape).to(x.dtype) / (1.0 - self.p)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, key={self.key}"
+
+
+def _mix(z: Tensor) -> Tensor:
+    """SplitMix64's finaliser (Steele et al. 2014), with logical right shifts made from arithmetic ones."""
+    z = z ^ ((z >> 30) & ((1 << 34) - 1))
+    z = z * _MIX1
+    z = z ^ ((z >> 27) & ((1 << 37) - 1))
+    z = z * _MIX2
+    return z ^ ((z >> 31) & ((1 << 33) - 1))
+
+
+def _uniform(z: Tensor) -> Tensor:
+    """The top 24 bits of each hash as a float32 in [0, 1)."""
+    return ((z >> 40) & 0xFFFFFF).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def _mix_int(z: int) -> int:
+    """`_mix` of one Python integer, as a signed 64-bit value: the step's key, computed on the host."""
+    z &= _MASK64
+    z ^= z >> 30
+    z = (z * _MIX1) & _MASK64
+    z ^= z >> 27
+    z = (z * _MIX2) & _MASK64
+    z ^= z >> 31
+    return z - (1 << 64) if z >> 63 else z

@@ -1,0 +1,156 @@
+"""The GPT on text, through the real loop: it learns, and training with dropout is exact under every strategy, with
+gradient accumulation, and across a stop mid-epoch; sampling reads what training wrote."""
+
+import csv
+import math
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import REPO, TRAIN, bad_input_line, max_param_diff
+from hydraloop.data.text import encode, read_text, unigram_entropy
+
+# A GPT small enough for seconds per run, with dropout on: its masks must not depend on how the batch is split.
+TINY = (
+    "experiment=text_gpt",
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.n_embd=32",
+    "model.dropout=0.2",
+    "data.block_size=32",
+    "data.batch_size=16",
+    "trainer.max_steps=12",
+    "trainer.val_every_n_steps=6",
+    "trainer.log_every_n_steps=3",
+    "trainer.limit_val_batches=4",
+    "logger=none",
+)
+ROUND_OFF = 1e-5
+
+
+def weights(run_dir, name="last.pt"):
+    return torch.load(run_dir / "checkpoints" / name, weights_only=True)["model"]
+
+
+@pytest.fixture(scope="module")
+def tiny_single(run_train):
+    run = run_train(*TINY)
+    assert run.returncode == 0, run.output
+    return run
+
+
+@pytest.mark.slow
+def test_a_small_gpt_learns_well_below_the_unigram_entropy(run_train):
+    run = run_train("experiment=text_gpt", "trainer.max_steps=200", "trainer.val_every_n_steps=100", "logger=csv")
+    assert run.returncode == 0, run.output
+    corpus = encode(read_text(None, "char"), run.checkpoint()["config"]["data"]["vocab"])
+    val_tokens = corpus[int(len(corpus) * 0.9) :]
+    entropy = unigram_entropy(val_tokens)  # 3.36 nats: the best loss without context
+    metrics = run.metrics
+    assert metrics["val/loss"] < 0.8 * entropy, (metrics["val/loss"], entropy)
+    assert metrics["val/ppl"] == pytest.approx(math.exp(metrics["val/loss"]))
+    assert metrics["global_step"] == 200 and metrics["model/params"] == sum(
+        p.numel() for p in weights(run.run_dir).values()
+    )
+    rows = list(csv.DictReader((run.run_dir / "metrics.csv").open()))
+    logged = [row for row in rows if row.get("perf/tokens_per_sec")]
+    assert logged and all(
+        float(row["perf/tokens_per_sec"]) == pytest.approx(64 * float(row["perf/samples_per_sec"])) for row in logged
+    )
+    validated = [int(row["step"]) for row in rows if row.get("val/loss")]
+    assert validated == [100, 184, 200]  # every 100 steps, at the epoch end (184 steps), and at the last step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_gpt_with_dropout_under_ddp_and_fsdp_equals_single(run_train, tiny_single, parallel):
+    run = run_train(*TINY, f"parallel={parallel}")
+    assert run.returncode == 0, run.output
+    assert max_param_diff(run.checkpoint()["model"], tiny_single.checkpoint()["model"]) < ROUND_OFF
+    assert run.metrics["val/loss"] == pytest.approx(tiny_single.metrics["val/loss"], rel=1e-5)
+
+
+def test_gpt_with_dropout_accumulating_4_micro_batches_equals_one_batch(train_in_process):
+    plain, plain_dir = train_in_process(*TINY)
+    accumulated, accumulated_dir = train_in_process(*TINY, "trainer.grad_accum_steps=4")
+    assert max_param_diff(weights(accumulated_dir), weights(plain_dir)) < ROUND_OFF
+    assert accumulated["train/loss"] == pytest.approx(plain["train/loss"], rel=1e-5)
+    # Dropout is on: without it, the same run ends elsewhere.
+    no_dropout, no_dropout_dir = train_in_process(*TINY, "model.dropout=0")
+    assert max_param_diff(weights(no_dropout_dir), weights(plain_dir)) > 1e-3
+
+
+@pytest.mark.parametrize("recipe", [TINY, ("experiment=diabetes_mlp", "model.dropout=0.2", "logger=none")])
+def test_resuming_from_a_mid_epoch_checkpoint_equals_the_uninterrupted_run(train_in_process, recipe):
+    """ckpt_every_n_steps writes the checkpoints a stop signal writes; any of them resumes exactly."""
+    steps = ("trainer.max_steps=12", "trainer.ckpt_every_n_steps=5", "trainer.keep_last_k=10")
+    uninterrupted, run_dir = train_in_process(*recipe, *steps)
+    checkpoint = run_dir / "checkpoints" / "step-00000005.pt"
+    assert torch.load(checkpoint, weights_only=True)["epoch_step"] == 5  # mid-epoch
+    resumed, resumed_dir = train_in_process(*recipe, *steps, f"ckpt_path={checkpoint}")
+    assert max_param_diff(weights(resumed_dir), weights(run_dir)) == 0.0
+    assert resumed["train/loss"] == pytest.approx(uninterrupted["train/loss"], rel=1e-12)
+
+
+def test_eval_of_a_language_model_checkpoint_equals_its_saved_metrics(train_in_process):
+    _, run_dir = train_in_process(*TINY)
+    best = run_dir / "checkpoints" / "best.pt"
+    evaluated, _ = train_in_process(*TINY, "mode=eval", f"ckpt_path={best}")
+    saved = torch.load(best, weights_only=True)["metrics"]
+    assert {name: evaluated[name] for name in saved} == pytest.approx(saved, rel=1e-9)
+
+
+@pytest.mark.slow
+def test_stop_mid_epoch_then_rerun_equals_the_uninterrupted_run(run_train, train_env, tmp_path):
+    recipe = (*TINY, "trainer.max_steps=40", "trainer.val_every_n_steps=null")
+    command = [sys.executable, str(TRAIN), f"hydra.run.dir={tmp_path / 'run'}", *recipe]
+    log = tmp_path / "run" / "train.log"
+    job = subprocess.Popen(command, cwd=REPO, env=train_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while not (log.exists() and "step 9 |" in log.read_text()):
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()[0]
+        time.sleep(0.05)
+    job.send_signal(signal.SIGTERM)
+    assert job.wait(timeout=120) == 128 + signal.SIGTERM
+    stopped = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+    assert 9 < stopped["global_step"] < 40 and stopped["epoch_step"] == stopped["global_step"]  # mid-epoch
+    rerun = subprocess.run(command, cwd=REPO, env=train_env, capture_output=True, text=True, timeout=180)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    uninterrupted = run_train(*recipe)
+    assert max_param_diff(weights(tmp_path / "run"), uninterrupted.checkpoint()["model"]) == 0.0
+
+
+@pytest.mark.slow
+def test_sampling_a_trained_checkpoint_repeats_with_its_seed(tiny_single, train_env):
+    command = [
+        sys.executable,
+        str(REPO / "scripts" / "sample.py"),
+        str(tiny_single.run_dir / "checkpoints" / "best.pt"),
+    ]
+    command += ["--prompt", "ROMEO:", "--max-new-tokens", "40", "--seed", "7"]
+    first, second = (subprocess.run(command, env=train_env, capture_output=True, text=True) for _ in range(2))
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == second.stdout and first.stdout.startswith("ROMEO:")
+    assert len(first.stdout.rstrip("\n")) >= len("ROMEO:") + 40 - 1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (("model.vocab_size=10",), "model.vocab_size=10: smaller than the data's vocabulary, data.vocab_size=73"),
+        (("model.block_size=16",), "data.block_size=32: longer than the model's context, model.block_size=16"),
+        (("task=classification",), "task=classification: the data are token sequences (data.vocab_size=73)"),
+    ],
+)
+def test_a_language_model_that_does_not_fit_its_data_is_refused(run_train, overrides, message):
+    assert message in bad_input_line(run_train(*TINY, *overrides))
+
+
+def test_max_steps_below_the_steps_already_done_is_refused(run_train, tiny_single):
+    ckpt = tiny_single.run_dir / "checkpoints" / "last.pt"
+    line = bad_input_line(run_train(*TINY, "trainer.max_steps=5", f"ckpt_path={ckpt}"))
+    assert f"trainer.max_steps=5: below the 12 steps already done (ckpt_path={ckpt})" in line
