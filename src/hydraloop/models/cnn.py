@@ -3,6 +3,8 @@ from collections.abc import Sequence
 
 from torch import Tensor, nn
 
+from hydraloop.keyed_dropout import KeyedDropout
+
 
 class CNN(nn.Module):
     """Conv-ReLU-MaxPool blocks and an MLP head; 1-D convolutions for (C, L) inputs, 2-D for (C, H, W).
@@ -36,7 +38,7 @@ class CNN(nn.Module):
         self.features = nn.Sequential(*layers)
         head: list[nn.Module] = [nn.Flatten(), nn.Linear(in_channels * math.prod(spatial), hidden_size), nn.ReLU()]
         if dropout > 0:
-            head.append(nn.Dropout(dropout))
+            head.append(KeyedDropout(dropout, key=0))  # the same masks under every strategy
         self.head = nn.Sequential(*head, nn.Linear(hidden_size, num_classes))
 
     def forward(self, x: Tensor) -> Tensor:

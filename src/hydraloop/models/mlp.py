@@ -3,9 +3,12 @@ from collections.abc import Sequence
 
 from torch import Tensor, nn
 
+from hydraloop.keyed_dropout import KeyedDropout
+
 
 class MLP(nn.Module):
-    """Flattens any input shape, then Linear-ReLU(-Dropout) blocks and a linear classifier."""
+    """Flattens any input shape, then Linear-ReLU(-Dropout) blocks and a linear classifier. The dropout is keyed
+    (hydraloop.keyed_dropout): the same masks under every strategy."""
 
     def __init__(
         self,
@@ -17,10 +20,10 @@ class MLP(nn.Module):
         super().__init__()
         layers: list[nn.Module] = [nn.Flatten()]
         width = math.prod(input_shape)
-        for hidden in hidden_sizes:
+        for index, hidden in enumerate(hidden_sizes):
             layers += [nn.Linear(width, hidden), nn.ReLU()]
             if dropout > 0:
-                layers.append(nn.Dropout(dropout))
+                layers.append(KeyedDropout(dropout, key=index))
             width = hidden
         layers.append(nn.Linear(width, num_classes))
         self.net = nn.Sequential(*layers)

@@ -1,0 +1,70 @@
+"""KeyedDropout: a sample's mask depends on the sample, the step and the layer, not on how the batch was split."""
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import max_param_diff
+from hydraloop.keyed_dropout import KeyedDropout, RowKeys
+from hydraloop.parallel.dataparallel import keyed_replicas
+
+CPU = torch.device("cpu")
+
+
+def dropped(layer: KeyedDropout, x: torch.Tensor, step: int, rank: int = 0, world_size: int = 1, first_row: int = 0):
+    with RowKeys(seed=0, rank=rank, world_size=world_size, device=CPU)(step, first_row, len(x)):
+        return layer(x)
+
+
+@pytest.fixture
+def layer() -> KeyedDropout:
+    return KeyedDropout(0.5, key=3).train()
+
+
+def test_ranks_and_micro_batches_draw_the_single_process_masks(layer):
+    x = torch.ones(8, 4, 5)
+    whole = dropped(layer, x, step=7)
+    # Two ranks: the sampler deals the global batch's rows to the ranks in turn (rank r: rows r, r+2, ...).
+    by_rank = [dropped(layer, x[:4], step=7, rank=r, world_size=2) for r in (0, 1)]
+    assert torch.equal(torch.stack(by_rank, dim=1).reshape(8, 4, 5), whole)
+    # Two micro-batches of one process: the second starts at row 4.
+    micro = [dropped(layer, x[:4], step=7), dropped(layer, x[4:], step=7, first_row=4)]
+    assert torch.equal(torch.cat(micro), whole)
+
+
+def test_masks_differ_by_step_and_layer_and_keep_one_minus_p(layer):
+    x = torch.ones(256, 256)
+    mask = dropped(layer, x, step=7) > 0
+    assert not torch.equal(dropped(layer, x, step=8) > 0, mask)
+    assert not torch.equal(dropped(KeyedDropout(0.5, key=4).train(), x, step=7) > 0, mask)
+    assert mask.float().mean().item() == pytest.approx(0.5, abs=0.01)
+    assert dropped(layer, x, step=7)[mask].unique().tolist() == [2.0]  # kept values scaled by 1 / (1 - p)
+
+
+def test_outside_training_it_is_plain_dropout(layer):
+    x = torch.ones(64, 64)
+    assert torch.equal(layer.eval()(x), x)
+    layer.train()
+    torch.manual_seed(0)
+    expected = nn.functional.dropout(x, 0.5, training=True)
+    torch.manual_seed(0)
+    assert torch.equal(layer(x), expected)  # no loop around it: the generator's masks
+
+
+def test_dataparallel_replicas_get_their_rows_of_the_batch(layer):
+    """DataParallel scatters the batch's rows in order; each replica must mask its rows as the whole batch would."""
+    x = torch.ones(6, 10)
+    whole = dropped(layer, x, step=2)
+    with RowKeys(seed=0, rank=0, world_size=1, device=CPU)(2, 0, 6):
+        replicas = keyed_replicas([layer, layer], [(x[:4],), (x[4:],)])
+    parts = [replica(args[0]) for replica, args in zip(replicas, [(x[:4],), (x[4:],)])]  # as their threads call them
+    assert torch.equal(torch.cat(parts), whole)
+
+
+@pytest.mark.slow
+def test_an_mlp_with_dropout_under_ddp_ends_with_singles_weights(run_train):
+    recipe = ("experiment=mnist1d_mlp", "trainer.max_epochs=2", "logger=none")
+    single, ddp = run_train(*recipe), run_train(*recipe, "parallel=ddp")
+    assert single.returncode == 0 and ddp.returncode == 0, single.output + ddp.output
+    assert max_param_diff(ddp.checkpoint()["model"], single.checkpoint()["model"]) < 1e-5
+    assert ddp.metrics["val/acc"] == single.metrics["val/acc"]
