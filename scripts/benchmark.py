@@ -45,7 +45,7 @@ from hydraloop.parallel.single import SingleDevice  # noqa: E402
 from hydraloop.perf import Throughput  # noqa: E402
 from hydraloop.precision import Precision  # noqa: E402
 from hydraloop.run_writer import NullRunWriter  # noqa: E402
-from hydraloop.trainer import Trainer  # noqa: E402
+from hydraloop.trainer import Trainer, batches_per_epoch  # noqa: E402
 
 # Both loops run in the process state src/train.py gives its own: what the imports made (torch._dynamo included,
 # which every optimizer imports) frozen out of later collections. Otherwise a full collection, ~0.2 s over torch's
@@ -55,6 +55,11 @@ gc.freeze()
 WORKLOADS = {
     "synthetic MLP": ["data=synthetic", "data.dataset.num_train=16384", "data.batch_size=256", "model=mlp"],
     "MNIST-1D CNN": ["data=mnist1d", "data.batch_size=128", "model=cnn"],
+    # experiment=text_gpt's character-level GPT (0.35M parameters, 32 x 64 tokens per step), 40 steps an "epoch".
+    "GPT": ["experiment=text_gpt", "model.dropout=0", "trainer.limit_train_batches=40"],
+    # The same with dropout 0.1: hydraloop's masks are keyed by sample (hydraloop.keyed_dropout), the hand-written
+    # loop's are drawn from the generator, as nn.Dropout draws them.
+    "GPT, dropout": ["experiment=text_gpt", "trainer.limit_train_batches=40"],
 }
 
 
@@ -101,10 +106,12 @@ def hydraloop_epoch(cfg, device: torch.device):
     )
     epochs = itertools.count()
 
+    steps = batches_per_epoch(loader, cfg.trainer.limit_train_batches)
+
     def epoch() -> int:
         loader.sampler.set_epoch(next(epochs))
         trainer.train_epoch(loader, TrainState())
-        return len(loader) * cfg.data.batch_size
+        return steps * cfg.data.batch_size
 
     return epoch
 
@@ -121,17 +128,20 @@ def handwritten_epoch(cfg, device: torch.device):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(cfg.trainer.precision))
     scaler = torch.amp.GradScaler(device.type, enabled=dtype is torch.float16)
 
+    steps = min(len(loader), cfg.trainer.limit_train_batches or len(loader))
+
     def epoch() -> int:
         model.train()
-        for inputs, targets in loader:
+        for inputs, targets in itertools.islice(loader, steps):
             inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
             with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-                loss = F.cross_entropy(model(inputs), targets)
+                # (N, classes) and (N,), or a language model's (B, T, vocab) and (B, T): one call for both.
+                loss = F.cross_entropy(model(inputs).flatten(0, -2), targets.flatten())
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
-        return len(loader) * cfg.data.batch_size
+        return steps * cfg.data.batch_size
 
     return epoch
 
