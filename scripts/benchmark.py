@@ -157,7 +157,8 @@ def timed(epoch, device: torch.device, epochs: int = 1) -> float:
 
 def loop_throughput(args, device: torch.device) -> list[dict]:
     rows = []
-    for name, overrides in WORKLOADS.items():
+    for name in args.workloads:
+        overrides = WORKLOADS[name]
         cfg = compose_config([*overrides, f"trainer.precision={args.precision}"])
         contenders = {"hydraloop": hydraloop_epoch(cfg, device), "hand-written": handwritten_epoch(cfg, device)}
         for epoch in contenders.values():
@@ -194,7 +195,8 @@ def loop_throughput_in_processes(args) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.loop_processes):
             out = Path(tmp) / f"loop_{i}.json"
-            one_process = ["--loop-processes", "1", "--skip", "startup", "ddp", "--out", str(out)]
+            one_process = ["--loop-processes", "1", "--skip", "startup", "ddp", "--out", str(out), "--workloads"]
+            one_process += args.workloads
             options = ["--repeats", str(args.repeats), "--device", args.device, "--precision", args.precision]
             subprocess.run([sys.executable, __file__, *options, *one_process], check=True, capture_output=True)
             runs.append(json.loads(out.read_text())["loop"])
@@ -320,6 +322,7 @@ def main() -> None:
     parser.add_argument("--precision", default="32", choices=["32", "bf16", "fp16"])
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "benchmark.json")
     parser.add_argument("--skip", nargs="*", default=[], choices=["loop", "startup", "ddp"])
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS), help="(a)'s")
     parser.add_argument("--ddp-procs", nargs="+", type=int, default=[1, 2], help="(c): parallel=ddp with these many")
     args = parser.parse_args()
     register_configs()

@@ -88,8 +88,7 @@ def test_three_trials_minimizing_val_loss(run_train, tmp_path):
         "hparams_search=mnist1d_optuna",
         "hydra.sweeper.n_trials=3",
         *TINY,
-        "optimized_metric=val/loss",
-        "optimized_metric_mode=min",
+        "optimized_metric=val/loss",  # its mode follows: min
         f"hydra.sweep.dir={tmp_path}",
     )
     assert run.returncode == 0, run.output
@@ -147,3 +146,25 @@ def test_a_stored_study_resumes(run_train, tmp_path):
         assert overrides_of(job)["optimizer.lr"] == str(trial.params["optimizer.lr"])
     results = yaml.safe_load((sweeps[1] / "optimization_results.yaml").read_text())
     assert results["best_value"] == max(found)
+
+
+@pytest.mark.slow
+def test_a_language_model_search_minimises_perplexity(run_train, tmp_path):
+    tiny_gpt = ("model.n_layer=1", "model.n_embd=32", "data.block_size=32", "trainer.max_steps=6")
+    run = run_train(
+        "-m",
+        "hparams_search=text_gpt_optuna",
+        "hydra.sweeper.n_trials=2",
+        *tiny_gpt,
+        "trainer.limit_val_batches=2",
+        "logger=none",
+        "trainer.save_checkpoints=false",
+        "optimized_metric=val/ppl",
+        f"hydra.sweep.dir={tmp_path}",
+    )
+    assert run.returncode == 0, run.output
+    assert "Directions: ['minimize']" in run.output
+    found = [json.loads((job / "metrics.json").read_text())["val/ppl"] for job in jobs(tmp_path)]
+    results = yaml.safe_load((tmp_path / "optimization_results.yaml").read_text())
+    assert len(found) == 2 and results["best_value"] == min(found)
+    assert set(results["best_params"]) == {"optimizer.lr", "model.dropout", "optimizer.weight_decay"}

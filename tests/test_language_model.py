@@ -154,3 +154,24 @@ def test_max_steps_below_the_steps_already_done_is_refused(run_train, tiny_singl
     ckpt = tiny_single.run_dir / "checkpoints" / "last.pt"
     line = bad_input_line(run_train(*TINY, "trainer.max_steps=5", f"ckpt_path={ckpt}"))
     assert f"trainer.max_steps=5: below the 12 steps already done (ckpt_path={ckpt})" in line
+
+
+def test_resuming_on_another_vocabulary_is_refused(run_train, tiny_single, tmp_path):
+    other = tmp_path / "other.txt"
+    other.write_text("a different text, with its own characters: xyz!\n" * 200)
+    ckpt = tiny_single.run_dir / "checkpoints" / "last.pt"
+    line = bad_input_line(run_train(*TINY, f"data.dataset.path={other}", f"ckpt_path={ckpt}", "model.vocab_size=73"))
+    assert f"ckpt_path={ckpt}: was trained on another vocabulary (73 characters) than data.vocab" in line
+
+
+def test_mfu_is_the_models_flops_over_the_peak(train_in_process):
+    """On the CPU with trainer.peak_tflops: perf/mfu = samples/s x FLOPs per sample / peak (one device)."""
+    _, run_dir = train_in_process(*TINY, "logger=csv", "trainer.peak_tflops=0.001")
+    rows = [row for row in csv.DictReader((run_dir / "metrics.csv").open()) if row.get("perf/mfu")]
+    from hydraloop.models.gpt import GPT
+
+    flops_per_sample = GPT(vocab_size=73, block_size=32, n_layer=2, n_head=2, n_embd=32).flops_per_token(32) * 32
+    assert len(rows) == 4  # every 3 of 12 steps
+    for row in rows:
+        expected = float(row["perf/samples_per_sec"]) * flops_per_sample / 1e9
+        assert float(row["perf/mfu"]) == pytest.approx(expected, rel=1e-9)

@@ -142,6 +142,13 @@ def check_resumable(path: str | Path, cfg: Any) -> None:
         raise ConfigError(
             f"{source}: holds {saved_optimizer} state, the config asks for {cfg.optimizer._target_}{hint}"
         )
+    saved_vocab = checkpoint.get("config", {}).get("data", {}).get("vocab")
+    if saved_vocab is not None and cfg.data.get("vocab") != saved_vocab:
+        raise ConfigError(
+            f"{source}: was trained on another vocabulary ({len(saved_vocab)} characters) than data.vocab, read from "
+            f"data.dataset.path={cfg.data.dataset.get('path')} ({len(cfg.data.get('vocab') or '')}): the token ids "
+            f"would mean other characters{hint}"
+        )
     done, max_steps = checkpoint["global_step"], cfg.trainer.max_steps
     if cfg.mode == "train" and max_steps is not None and max_steps < done:
         raise ConfigError(f"trainer.max_steps={max_steps}: below the {done} steps already done ({source}){hint}")

@@ -51,7 +51,7 @@ class Classification(Task):
             "targets are real values (task=regression fits them)",
         )
         require(
-            "vocab_size" not in cfg.data,
+            cfg.data.get("vocab_size") is None,
             f"{task_name(cfg)}: the data are token sequences (data.vocab_size={cfg.data.get('vocab_size')}); "
             "task=language_model fits them",
         )
