@@ -180,9 +180,22 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice, job: JobInfo) -> dict
     else:
         with stop_request:  # SIGTERM / SIGUSR1: checkpoint at the next logging step, then stop
             metrics = trainer.fit(train_loader, val_loader, state)
+        if cfg.trainer.eval_best:
+            metrics.update(evaluate_best(cfg, strategy, trainer, val_loader))
     metrics.update({"model/params": num_params, "model/trainable_params": trainable})
     writer.finish(metrics)
     return metrics
+
+
+def evaluate_best(cfg: DictConfig, strategy: SingleDevice, trainer: Trainer, val_loader) -> dict:
+    """trainer.eval_best: the metrics of checkpoints/best.pt's weights, as best/<name>, with where they were saved."""
+    strategy.all_reduce(torch.zeros(1, device=strategy.device))  # a barrier: rank 0 has written best.pt
+    path = f"{cfg.output_dir}/checkpoints/best.pt"
+    best = resume(
+        path, strategy, trainer.model, trainer.optimizer, trainer.scheduler, trainer.precision, model_only=True
+    )
+    metrics = {**trainer.evaluate(val_loader), "epoch": best.epoch, "global_step": best.global_step}
+    return {f"best/{name}": value for name, value in metrics.items()}
 
 
 def importable(function: Callable) -> Callable:

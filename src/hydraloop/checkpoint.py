@@ -49,6 +49,12 @@ class TrainState:
     skipped_steps: int = 0
     """Skipped steps over the whole run (trainer.nonfinite_loss=skip)."""
     best_metric: float | None = None
+    patience_best: float | None = None
+    """Early stopping: the metric the latest improvement by more than `min_delta` reached..."""
+    stale_validations: int = 0
+    """...and the validations since then."""
+    stopped_early: str = ""
+    """Why early stopping ended the run ("": it did not); a resumed run that stopped early does not train on."""
 
     def next_epoch(self) -> None:
         self.epoch, self.epoch_step, self.epoch_loss_sum, self.epoch_skipped = self.epoch + 1, 0, 0.0, 0

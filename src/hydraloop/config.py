@@ -29,6 +29,14 @@ PRECISIONS = ("32", "bf16", "fp16")
 
 
 @dataclass
+class EarlyStoppingConfig:
+    patience: int | None = None
+    """Stop after this many validations in a row that do not improve `optimized_metric` by more than `min_delta`;
+    null: never."""
+    min_delta: float = 0.0
+
+
+@dataclass
 class TrainerConfig:
     max_epochs: int = 20
     """Epochs to train; with `ckpt_path`, the total including those already done. Ignored when `max_steps` is set."""
@@ -74,6 +82,9 @@ class TrainerConfig:
     """torch.profiler over steps 2-5 of the run (rank 0); the trace goes to tensorboard/profiler/."""
     peak_tflops: float | None = None
     """One GPU's peak dense TFLOP/s, for perf/mfu; null: looked up from the GPU's name (hydraloop.perf)."""
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+    eval_best: bool = False
+    """After training, evaluate checkpoints/best.pt too, and add its metrics to metrics.json as best/<name>."""
 
 
 @dataclass
@@ -314,9 +325,15 @@ def check_config(cfg: Any, world_size: int) -> None:
     val_batch_size = cfg.data.val_batch_size
     _require(val_batch_size is None or val_batch_size > 0, f"data.val_batch_size={val_batch_size}: must be positive")
     _require(cfg.trainer.max_epochs > 0, f"trainer.max_epochs={cfg.trainer.max_epochs}: must be positive")
-    for key in ("max_steps", "val_every_n_steps", "ckpt_every_n_steps", "peak_tflops"):
-        value = cfg.trainer[key]
+    for key in ("max_steps", "val_every_n_steps", "ckpt_every_n_steps", "peak_tflops", "early_stopping.patience"):
+        value = OmegaConf.select(cfg.trainer, key)
         _require(value is None or value > 0, f"trainer.{key}={value}: must be positive, or null")
+    min_delta = cfg.trainer.early_stopping.min_delta
+    _require(min_delta >= 0, f"trainer.early_stopping.min_delta={min_delta}: must be at least 0")
+    _require(
+        not cfg.trainer.eval_best or cfg.trainer.save_checkpoints,
+        "trainer.eval_best=true: needs trainer.save_checkpoints=true, for checkpoints/best.pt",
+    )
     _require(
         cfg.trainer.log_every_n_steps > 0,
         f"trainer.log_every_n_steps={cfg.trainer.log_every_n_steps}: must be positive",

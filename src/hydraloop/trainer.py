@@ -84,6 +84,8 @@ class Trainer:
         self.seed = seed
         self.optimized_metric = optimized_metric
         self.improved = operator.gt if optimized_metric_mode == "max" else operator.lt
+        self.sign = 1.0 if optimized_metric_mode == "max" else -1.0  # of an improvement
+        self.patience, self.min_delta = settings.early_stopping.patience, settings.early_stopping.min_delta
         self.config = config  # stored in every checkpoint
         self.stop_request = stop_request or StopRequest()
         self.stop_signum = 0  # the stop signal all ranks agreed on at the last reduction
@@ -95,6 +97,8 @@ class Trainer:
         self.validated_at = self.saved_at = -1  # global steps of the latest validation and checkpoint
 
     def finished(self, state: TrainState) -> bool:
+        if state.stopped_early:
+            return True
         return state.global_step >= self.max_steps if self.max_steps else state.epoch >= self.max_epochs
 
     def fit(self, train_loader: DataLoader, val_loader: DataLoader, state: TrainState) -> dict[str, Any]:
@@ -140,10 +144,27 @@ class Trainer:
         is_best = state.best_metric is None or self.improved(metric, state.best_metric)
         if is_best:
             state.best_metric = metric
+        self._count_patience(state, metric)
         self.validated_at = state.global_step
         if save:
             self.save_checkpoint(state, val_metrics, is_best=is_best)
         return val_metrics
+
+    def _count_patience(self, state: TrainState, metric: float) -> None:
+        """Early stopping: after `patience` validations in a row without an improvement by more than `min_delta`,
+        the run stops (every rank alike: the metric is global), and the checkpoint about to be written says why."""
+        if self.patience is None:
+            return
+        if state.patience_best is None or self.sign * (metric - state.patience_best) > self.min_delta:
+            state.patience_best, state.stale_validations = metric, 0
+            return
+        state.stale_validations += 1
+        if state.stale_validations >= self.patience:
+            state.stopped_early = (
+                f"{self.optimized_metric} did not improve by more than {self.min_delta} in {self.patience} "
+                f"validations (best {state.patience_best:.6g})"
+            )
+            log.info("stopping early after step %d: %s", state.global_step, state.stopped_early)
 
     def save_checkpoint(self, state: TrainState, val_metrics: dict[str, float], is_best: bool) -> None:
         """The one place a checkpoint is made; called on every rank.
@@ -181,6 +202,9 @@ class Trainer:
             "global_step": state.global_step,
             "skipped_steps": state.skipped_steps,
             "world_size": self.strategy.world_size,
+            "stopped_early": {"epoch": state.epoch, "global_step": state.global_step, "reason": state.stopped_early}
+            if state.stopped_early
+            else None,
         }
 
     def train_epoch(self, loader: DataLoader, state: TrainState) -> tuple[float, bool]:

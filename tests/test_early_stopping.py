@@ -1,0 +1,81 @@
+"""Early stopping on optimized_metric, and evaluating best.pt at the end (trainer.eval_best)."""
+
+import csv
+
+import pytest
+
+from conftest import bad_input_line, max_param_diff
+
+# A [128, 128] MLP overfits the diabetes set's 354 training patients within a few epochs: val/mse turns up.
+OVERFITTING = ("data=diabetes", "task=regression", "trainer.max_epochs=40", "trainer.early_stopping.patience=3")
+
+
+def validations(run_dir) -> list[float]:
+    return [float(row["val/mse"]) for row in csv.DictReader((run_dir / "metrics.csv").open()) if row["val/mse"]]
+
+
+def expected_stop(values: list[float], patience: int, min_delta: float) -> int:
+    """The validation (1-based) after which `patience` in a row have not improved on the best by > min_delta."""
+    best, stale = None, 0
+    for number, value in enumerate(values, start=1):
+        if best is None or best - value > min_delta:
+            best, stale = value, 0
+        else:
+            stale += 1
+            if stale == patience:
+                return number
+    return len(values)
+
+
+@pytest.mark.parametrize("min_delta", [0.0, 0.05])
+def test_training_stops_after_patience_validations_without_improvement(train_in_process, min_delta):
+    metrics, run_dir = train_in_process(*OVERFITTING, f"trainer.early_stopping.min_delta={min_delta}", "logger=csv")
+    values = validations(run_dir)
+    stop = metrics["stopped_early"]
+    assert stop["epoch"] == expected_stop(values, 3, min_delta) == len(values) < 40
+    assert stop["global_step"] == metrics["global_step"] == 11 * stop["epoch"]
+    assert stop["reason"].startswith(f"val/mse did not improve by more than {min_delta} in 3 validations")
+    assert metrics["val/mse"] == values[-1]
+
+
+def test_resuming_a_run_that_stopped_early_does_not_train_on(train_in_process, tmp_path):
+    first, run_dir = train_in_process(*OVERFITTING, "logger=none")
+    again, _ = train_in_process(*OVERFITTING, "logger=none", "trainer.max_epochs=60", run_dir=run_dir)
+    assert again["global_step"] == first["global_step"] and again["stopped_early"] == first["stopped_early"]
+    assert again["val/mse"] == first["val/mse"]
+
+
+def test_eval_best_adds_the_best_checkpoints_metrics(train_in_process):
+    metrics, run_dir = train_in_process(*OVERFITTING, "trainer.eval_best=true", "logger=csv")
+    values = validations(run_dir)
+    assert metrics["best/val/mse"] == pytest.approx(min(values), rel=1e-12)
+    assert (
+        metrics["best/epoch"] == values.index(min(values)) + 1
+        and metrics["best/global_step"] == 11 * metrics["best/epoch"]
+    )
+    assert metrics["val/mse"] == values[-1] != metrics["best/val/mse"]  # the last weights are not the best
+
+
+@pytest.mark.slow
+def test_every_rank_stops_after_the_same_epoch(run_train):
+    single = run_train(*OVERFITTING, "logger=none", "trainer.eval_best=true")
+    ddp = run_train(*OVERFITTING, "logger=none", "trainer.eval_best=true", "parallel=ddp")
+    assert single.returncode == 0 and ddp.returncode == 0, single.output + ddp.output
+    assert ddp.metrics["stopped_early"] == single.metrics["stopped_early"]
+    assert max_param_diff(ddp.checkpoint("best.pt")["model"], single.checkpoint("best.pt")["model"]) < 1e-5
+    assert ddp.metrics["best/val/mse"] == pytest.approx(single.metrics["best/val/mse"], rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("trainer.early_stopping.patience=0", "trainer.early_stopping.patience=0: must be positive, or null"),
+        ("trainer.early_stopping.min_delta=-1", "trainer.early_stopping.min_delta=-1.0: must be at least 0"),
+        (
+            "trainer.save_checkpoints=false",
+            "trainer.eval_best=true: needs trainer.save_checkpoints=true, for checkpoints/best.pt",
+        ),
+    ],
+)
+def test_bad_early_stopping_and_eval_best_settings(run_train, override, message):
+    assert message in bad_input_line(run_train("trainer.eval_best=true", override))
