@@ -45,6 +45,7 @@ from hydraloop.parallel.single import SingleDevice
 from hydraloop.parallel.sweep_share import take_machine_share
 from hydraloop.perf import Throughput, flops_per_sample, peak_flops
 from hydraloop.precision import Precision
+from hydraloop.predict import load_inputs, predict
 from hydraloop.preemption import StopRequest
 from hydraloop.rank_logging import setup_rank_logging
 from hydraloop.run_lock import owned_run_directory
@@ -93,8 +94,10 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice, job: JobInfo) -> dict
     configure_backends(
         deterministic=cfg.trainer.deterministic, tf32=cfg.trainer.tf32, cudnn_benchmark=cfg.trainer.cudnn_benchmark
     )
-    train_set, val_set = instantiate(cfg.data.dataset)
     task = instantiate(cfg.task)
+    if cfg.mode == "predict":
+        return predict(cfg, strategy, task)
+    train_set, val_set = instantiate(cfg.data.dataset)
     task.check_targets(torch.as_tensor(train_set[0][1]), f"data.dataset._target_={cfg.data.dataset._target_}")
     train_loader, val_loader = build_loaders(
         train_set,
@@ -226,7 +229,10 @@ def main(cfg: DictConfig) -> float:
         # another live run owns, or one that cannot be written, is refused here, before anything is written into it.
         with owned_run_directory(cfg.output_dir, cfg.log_file, owner=strategy.is_main_process):
             check_config(cfg, strategy.world_size)
-            check_task(cfg, instantiate(cfg.task))
+            task = instantiate(cfg.task)
+            check_task(cfg, task)
+            if cfg.mode == "predict":  # the file fits the model: before any rank starts
+                load_inputs(cfg.data.predict_path, cfg.data.input_shape, tokens=task.tokens_per_sample is not None)
             strategy.check(cfg)
             build_logger(cfg.logger)  # its settings and package, checked before any rank starts; writes nothing yet
             ckpt_path = checkpoint_to_resume(cfg, report=strategy.is_main_process)
@@ -235,7 +241,7 @@ def main(cfg: DictConfig) -> float:
             log.info("run directory: %s\n%s", cfg.output_dir, OmegaConf.to_yaml(cfg).rstrip())
             metrics = strategy.launch(importable(train), cfg, JobInfo.from_hydra())
     log.info("final metrics: %s", {k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()})
-    return metrics[cfg.optimized_metric]
+    return metrics.get(cfg.optimized_metric)  # none for mode=predict
 
 
 if __name__ == "__main__":

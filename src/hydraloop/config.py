@@ -108,6 +108,8 @@ class DataConfig:
     on_device: bool = False
     """Keep the whole data set as tensors on the device and draw batches by index, in the sampler's order,
     without a DataLoader (for data sets that fit in device memory; ignores num_workers)."""
+    predict_path: str | None = None
+    """mode=predict: a .npz or .pt file holding `x`, the inputs (N, *input_shape) to predict (hydraloop.predict)."""
     prefetch_factor: int | None = None
     """Batches each DataLoader worker loads ahead; null: PyTorch's default (2). Needs num_workers > 0."""
     num_folds: int | None = None
@@ -194,7 +196,8 @@ class TrainConfig:
     """What the loop optimises and validation reports (hydraloop.tasks)."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     mode: str = "train"
-    """train, or eval: evaluate the weights of `ckpt_path` on the validation set and write metrics.json."""
+    """train; eval: evaluate the weights of `ckpt_path` on the validation set and write metrics.json; predict: write
+    the predictions of `ckpt_path`'s model for the inputs in `data.predict_path` (hydraloop.predict)."""
     seed: int = 0
     """Seeds model init and data order (the same on every rank) and, offset by rank, per-rank randomness."""
     device: str = "auto"
@@ -312,8 +315,12 @@ def register_configs() -> None:
 
 def check_config(cfg: Any, world_size: int) -> None:
     """What the schema's types cannot say: ranges, and how the global batch splits over `world_size` ranks."""
-    _require(cfg.mode in ("train", "eval"), f"mode={cfg.mode}: must be train or eval")
-    _require(cfg.mode != "eval" or cfg.ckpt_path, "mode=eval: needs ckpt_path=<checkpoint to evaluate>")
+    _require(cfg.mode in ("train", "eval", "predict"), f"mode={cfg.mode}: must be train, eval or predict")
+    _require(cfg.mode == "train" or cfg.ckpt_path, f"mode={cfg.mode}: needs ckpt_path=<checkpoint to {cfg.mode} with>")
+    _require(
+        cfg.mode != "predict" or cfg.data.predict_path,
+        "mode=predict: needs data.predict_path=<.npz or .pt file holding x, the inputs>",
+    )
     _require(cfg.seed >= 0, f"seed={cfg.seed}: must be non-negative")
     batch_size = cfg.data.batch_size
     _require(batch_size > 0, f"data.batch_size={batch_size}: must be positive")

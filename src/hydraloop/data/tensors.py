@@ -41,7 +41,7 @@ def load_tensors(
     """(train, val) TensorDatasets of float32 inputs and int64 labels (float32 targets with `target_shape`) read
     from `path` (.npz or .pt)."""
     where = f"data.dataset.path={path}"
-    arrays = _read(Path(str(path)), where)
+    arrays = read_arrays(Path(str(path)), where)
     x_val_key, y_val_key = f"{x_key}_val", f"{y_key}_val"
     missing = [key for key in (x_key, y_key) if key not in arrays]
     if missing:
@@ -85,7 +85,8 @@ def load_tensors(
     return TensorDataset(x[train], y[train]), TensorDataset(x[val], y[val])
 
 
-def _read(path: Path, where: str) -> dict[str, torch.Tensor]:
+def read_arrays(path: Path, where: str) -> dict[str, torch.Tensor]:
+    """A .npz or .pt file's arrays as tensors, by name (`where` names the config key in errors)."""
     if not path.is_file():
         absolute = f" ({path.resolve()})" if not path.is_absolute() else ""
         problem = "a directory, not a file" if path.is_dir() else "no such file"

@@ -40,6 +40,10 @@ class Task:
         """The metrics (`reported_metrics`, in that order) from the statistics summed over the whole validation set."""
         raise NotImplementedError
 
+    def predictions(self, outputs: Tensor) -> dict[str, Tensor]:
+        """mode=predict: what is saved for each input, by name (rows: the inputs); here, the model's outputs."""
+        return {"outputs": outputs.float()}
+
     def check(self, cfg: Any) -> None:
         """In the launcher, before any rank starts: does the task fit the data and model configs? Raises ConfigError."""
 

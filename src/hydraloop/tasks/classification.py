@@ -44,6 +44,9 @@ class Classification(Task):
         *sums, n = totals
         return dict(zip(self.reported_metrics(), [sums[0] / n, *(correct / n for correct in sums[1:])]))
 
+    def predictions(self, outputs: Tensor) -> dict[str, Tensor]:
+        return {"class": outputs.argmax(dim=1), "probabilities": outputs.float().softmax(dim=1)}
+
     def check(self, cfg: Any) -> None:
         require(
             cfg.data.get("target_shape") is None,

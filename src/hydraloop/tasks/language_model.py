@@ -34,6 +34,9 @@ class LanguageModel(Task):
         loss = loss_sum / tokens
         return {"val/loss": loss, "val/ppl": math.exp(min(loss, 700.0)), "val/acc": correct / tokens}
 
+    def predictions(self, outputs: Tensor) -> dict[str, Tensor]:
+        return {"next_token": outputs.argmax(dim=2)}  # the most likely next token after each position
+
     def check(self, cfg: Any) -> None:
         data_vocab, data_block = cfg.data.get("vocab_size"), cfg.data.get("block_size")
         require(

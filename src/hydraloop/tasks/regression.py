@@ -41,6 +41,9 @@ class Regression(Task):
         r2 = [_r2(e, s, s2, n) for e, s, s2 in zip(sse, sum_y, sum_y2)]
         return {"val/mse": sum(sse) / (n * w), "val/mae": abs_error / (n * w), "val/r2": sum(r2) / w}
 
+    def predictions(self, outputs: Tensor) -> dict[str, Tensor]:
+        return {"prediction": outputs.float().reshape(len(outputs), *self.target_shape)}
+
     def check(self, cfg: Any) -> None:
         target_shape = cfg.data.get("target_shape")
         require(
