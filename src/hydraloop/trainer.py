@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from hydraloop.checkpoint import TrainState, checkpoint_state
+from hydraloop.early_stopping import EarlyStopping
 from hydraloop.errors import Interrupted
 from hydraloop.keyed_dropout import KeyedDropout, RowKeys
 from hydraloop.losses import Interval, check_finite, check_not_all_skipped, nonfinite_on_any_rank
@@ -84,8 +85,8 @@ class Trainer:
         self.seed = seed
         self.optimized_metric = optimized_metric
         self.improved = operator.gt if optimized_metric_mode == "max" else operator.lt
-        self.sign = 1.0 if optimized_metric_mode == "max" else -1.0  # of an improvement
-        self.patience, self.min_delta = settings.early_stopping.patience, settings.early_stopping.min_delta
+        patience, min_delta = settings.early_stopping.patience, settings.early_stopping.min_delta
+        self.early_stopping = EarlyStopping(patience, min_delta, optimized_metric, optimized_metric_mode)
         self.config = config  # stored in every checkpoint
         self.stop_request = stop_request or StopRequest()
         self.stop_signum = 0  # the stop signal all ranks agreed on at the last reduction
@@ -137,34 +138,20 @@ class Trainer:
         """Validates, logs the metrics (with `logged`), and checkpoints: last.pt, and best.pt if the metric improved."""
         val_metrics = self.evaluate(self.val_loader)
         self.writer.log_metrics({**val_metrics, **(logged or {})}, state.global_step)
-        progress = f"step {state.global_step}/{self.max_steps}" if self.max_steps else f"epoch {state.epoch}"
+        where = (
+            f"step {state.global_step}/{self.max_steps}" if self.max_steps else f"epoch {state.epoch}/{self.max_epochs}"
+        )
         shown = " | ".join(f"{name} {value:.4f}" for name, value in {**(logged or {}), **val_metrics}.items())
-        log.info("%s | %s", progress if self.max_steps else f"{progress}/{self.max_epochs}", shown)
+        log.info("%s | %s", where, shown)
         metric = val_metrics[self.optimized_metric]
         is_best = state.best_metric is None or self.improved(metric, state.best_metric)
         if is_best:
             state.best_metric = metric
-        self._count_patience(state, metric)
+        self.early_stopping.update(state, metric)
         self.validated_at = state.global_step
         if save:
             self.save_checkpoint(state, val_metrics, is_best=is_best)
         return val_metrics
-
-    def _count_patience(self, state: TrainState, metric: float) -> None:
-        """Early stopping: after `patience` validations in a row without an improvement by more than `min_delta`,
-        the run stops (every rank alike: the metric is global), and the checkpoint about to be written says why."""
-        if self.patience is None:
-            return
-        if state.patience_best is None or self.sign * (metric - state.patience_best) > self.min_delta:
-            state.patience_best, state.stale_validations = metric, 0
-            return
-        state.stale_validations += 1
-        if state.stale_validations >= self.patience:
-            state.stopped_early = (
-                f"{self.optimized_metric} did not improve by more than {self.min_delta} in {self.patience} "
-                f"validations (best {state.patience_best:.6g})"
-            )
-            log.info("stopping early after step %d: %s", state.global_step, state.stopped_early)
 
     def save_checkpoint(self, state: TrainState, val_metrics: dict[str, float], is_best: bool) -> None:
         """The one place a checkpoint is made; called on every rank.
