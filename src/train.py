@@ -159,6 +159,8 @@ def main(cfg: DictConfig) -> float:
         setup_rank_logging(strategy.rank, cfg.log_file)  # under torchrun or SLURM every rank runs main: log once
         check_config(cfg, strategy.world_size)
         strategy.check(cfg)
+        if cfg.data.check:  # the data set's own checks, e.g. an image folder's layout
+            instantiate(cfg.data.check)
         ckpt_path = checkpoint_to_resume(cfg)
         if ckpt_path:
             check_resumable(ckpt_path, cfg)

@@ -21,6 +21,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from hydraloop.errors import ConfigError
+from hydraloop.resolvers import ARITHMETIC_AND_DATA
 
 PRECISIONS = ("32", "bf16", "fp16")
 VAL_METRICS = ("val/acc", "val/loss")
@@ -72,8 +73,9 @@ class DataConfig:
     num_classes: int = MISSING
     val_batch_size: int | None = None
     """Global evaluation batch size; null: same as batch_size."""
-    num_workers: int = 0
-    """DataLoader worker processes per rank; 0 loads in the training process (best for small in-memory sets)."""
+    num_workers: Any = 0
+    """DataLoader worker processes per rank; 0 loads in the training process (best for small in-memory sets); auto:
+    this rank's share of the CPU cores, less one for the rank itself (hydraloop.data.loaders.auto_num_workers)."""
     drop_last: bool = True
     """Drop the last incomplete global batch, so every step sees `batch_size` samples and DDP matches single."""
     shuffle: bool = True
@@ -85,6 +87,15 @@ class DataConfig:
     """Batches each DataLoader worker loads ahead; null: PyTorch's default (2). Needs num_workers > 0."""
     dataset: Any = MISSING
     """`_target_` returning (train, val) datasets, with its own keys."""
+    check: Any = None
+    """`_target_` called once in the launcher, before any rank starts, that raises ConfigError on bad data (an image
+    folder's layout, say); null: none."""
+    image_size: int | None = None
+    """Image data: the side of the square crops the model sees; the transforms and input_shape follow from it."""
+    train_transforms: Any = None
+    """Image data: a list of `_target_`s (torchvision.transforms.v2) applied in order, ending in a float tensor."""
+    val_transforms: Any = None
+    """Image data: the same for validation (deterministic: no random crops)."""
 
 
 @dataclass
@@ -207,13 +218,17 @@ def rank_zero_only(value: Any) -> Any:
 
 def register_configs() -> None:
     """The schemas, and the resolvers: `${sweep_direction:max}` -> maximize (for sweepers), `${shared_run_path:}`,
-    `${rank_zero_only:value}`."""
+    `${rank_zero_only:value}`, `${image_folder_classes:root}`, `${linear_scaling:0.1,256,${data.batch_size}}`,
+    `${resize_for_center_crop:224}`."""
     if not OmegaConf.has_resolver("sweep_direction"):
         OmegaConf.register_new_resolver("sweep_direction", lambda mode: {"max": "maximize", "min": "minimize"}[mode])
     if not OmegaConf.has_resolver("shared_run_path"):
         OmegaConf.register_new_resolver("shared_run_path", shared_run_path, use_cache=True)
     if not OmegaConf.has_resolver("rank_zero_only"):
         OmegaConf.register_new_resolver("rank_zero_only", rank_zero_only)
+    for name, resolver in ARITHMETIC_AND_DATA.items():
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, resolver)
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
     cs.store(group="schema/parallel", name="single", node=SingleConfig)
@@ -233,6 +248,11 @@ def check_config(cfg: Any, world_size: int) -> None:
         batch_size % world_size == 0,
         f"data.batch_size={batch_size}: not divisible by the world size {world_size} "
         "(it is the global batch, split evenly over the ranks)",
+    )
+    workers = cfg.data.num_workers
+    _require(
+        workers == "auto" or isinstance(workers, int) and not isinstance(workers, bool) and workers >= 0,
+        f"data.num_workers={workers}: must be a number of worker processes (0 or more) or auto",
     )
     val_batch_size = cfg.data.val_batch_size
     _require(val_batch_size is None or val_batch_size > 0, f"data.val_batch_size={val_batch_size}: must be positive")
