@@ -288,18 +288,18 @@ def test_unreadable_image_in_a_worker_ends_the_run_with_one_line(run_train, tmp_
     [
         (
             "data.val_transforms=[{_target_:torchvision.transforms.v2.CenterCrop,size:8}]",
-            "data.val_transforms: makes a PIL.Image of 0.png; the list must end in a float tensor, e.g. with "
+            "data.val_transforms: makes a PIL.Image of train/a/0.png; the list must end in a float tensor, e.g. with "
             "torchvision.transforms.v2.ToImage and ToDtype(dtype=torch.float32, scale=true)",
         ),
         (
             "data.val_transforms=[{_target_:torchvision.transforms.v2.PILToTensor}]",
-            "data.val_transforms: makes a torch.uint8 tensor of 0.png; the list must end in a float tensor, e.g. "
-            "with torchvision.transforms.v2.ToImage and ToDtype(dtype=torch.float32, scale=true)",
+            "data.val_transforms: makes a torch.uint8 tensor of train/a/0.png; the list must end in a float tensor, "
+            "e.g. with torchvision.transforms.v2.ToImage and ToDtype(dtype=torch.float32, scale=true)",
         ),
         (
             "data.input_shape=[3,9,9]",
-            "data.input_shape=[3, 9, 9]: data.train_transforms makes [3, 8, 8] of 0.png; set data.input_shape (or "
-            "data.image_size) to what the transforms make",
+            "data.input_shape=[3, 9, 9]: data.train_transforms makes [3, 8, 8] of train/a/0.png; set "
+            "data.input_shape (or data.image_size) to what the transforms make",
         ),
         (
             "data.train_transforms=[{_target_:torchvision.transforms.v2.Blur}]",

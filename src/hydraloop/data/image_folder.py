@@ -17,10 +17,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch.utils.data import Dataset
 
+from hydraloop.data.loaders import SeededAugmentation
 from hydraloop.errors import ConfigError
 
 SPLITS = ("train", "val")
@@ -38,25 +40,20 @@ def check_image_folder(
     root: str, train_transforms: Any, val_transforms: Any, input_shape: Sequence[int], num_classes: int
 ) -> None:
     """Raises ConfigError, in one line naming the key and value, on anything wrong with the folder or transforms."""
-    classes = _check_layout(Path(str(root)), num_classes)
-    first = _first_image(Path(str(root)) / "train" / classes[0])
+    root = Path(str(root))
+    classes = _check_layout(root, num_classes)
+    first = _first_image(root / "train" / classes[0])
     image = _load_rgb(str(first), root=str(root))
     for key, configs in (("data.train_transforms", train_transforms), ("data.val_transforms", val_transforms)):
         sample = _compose(configs, key)(image)
-        if not _is_float_tensor(sample):
-            kind = type(sample)
-            made = (
-                f"a {sample.dtype} tensor"
-                if _is_tensor(sample)
-                else f"a {kind.__module__.split('.')[0]}.{kind.__name__}"
-            )
+        if not (isinstance(sample, torch.Tensor) and sample.is_floating_point()):
             raise ConfigError(
-                f"{key}: makes {made} of {first.name}; the list must end in a float tensor, e.g. with "
-                "torchvision.transforms.v2.ToImage and ToDtype(dtype=torch.float32, scale=true)"
+                f"{key}: makes {_kind(sample)} of {first.relative_to(root)}; the list must end in a float tensor, "
+                "e.g. with torchvision.transforms.v2.ToImage and ToDtype(dtype=torch.float32, scale=true)"
             )
         if list(sample.shape) != [int(size) for size in input_shape]:
             raise ConfigError(
-                f"data.input_shape={list(input_shape)}: {key} makes {list(sample.shape)} of {first.name}; "
+                f"data.input_shape={list(input_shape)}: {key} makes {list(sample.shape)} of {first.relative_to(root)}; "
                 "set data.input_shape (or data.image_size) to what the transforms make"
             )
 
@@ -66,8 +63,6 @@ def load_image_folder(
 ) -> tuple[Dataset, Dataset]:
     """(train, val) ImageFolders over `<root>/train` and `<root>/val`; the training set seeded per sample."""
     from torchvision.datasets import ImageFolder
-
-    from hydraloop.data.loaders import SeededAugmentation
 
     _check_layout(Path(str(root)), num_classes)  # cheap, and here too: num_classes may have been set by hand
     load = partial(_load_rgb, root=str(root))  # a module-level function: workers get it pickled
@@ -174,11 +169,7 @@ def _compose(configs: Any, key: str) -> Any:
     return v2.Compose(transforms)
 
 
-def _is_tensor(sample: Any) -> bool:
-    import torch
-
-    return isinstance(sample, torch.Tensor)
-
-
-def _is_float_tensor(sample: Any) -> bool:
-    return _is_tensor(sample) and sample.is_floating_point()
+def _kind(sample: Any) -> str:
+    if isinstance(sample, torch.Tensor):
+        return f"a {sample.dtype} tensor"
+    return f"a {type(sample).__module__.split('.')[0]}.{type(sample).__name__}"  # e.g. a PIL.Image
