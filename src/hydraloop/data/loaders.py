@@ -8,6 +8,7 @@ SeededAugmentation draws its random transforms per sample from (seed, epoch, ind
 themselves are those of single-process training too, whatever the number of ranks and workers.
 """
 
+import gc
 import itertools
 import os
 import random
@@ -69,20 +70,27 @@ class SeededAugmentation(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, key: tuple[int, int] | int) -> Any:
+        return self.__getitems__([key])[0]
+
+    def __getitems__(self, keys: list[tuple[int, int]] | list[int]) -> list[Any]:
+        """A batch's samples; the DataLoader fetches whole batches through this when a data set has it."""
+        # With num_workers=0 this runs in the training process, whose own stream is put back after the batch. (A
+        # worker's stream serves nothing else.)
+        saved = torch.get_rng_state() if get_worker_info() is None else None
+        try:
+            return [self._sample(key) for key in keys]
+        finally:
+            if saved is not None:
+                torch.set_rng_state(saved)
+
+    def _sample(self, key: tuple[int, int] | int) -> Any:
         if isinstance(key, int):
             return self.dataset[key]
         epoch, index = key
         if epoch != self.epoch:
             self.epoch, self.epoch_base = epoch, int(np.random.SeedSequence([self.seed, epoch]).generate_state(1)[0])
-        # With num_workers=0 this runs in the training process: its own stream is put back afterwards. (A worker's
-        # stream serves nothing else.) Setting the seed directly: torch.manual_seed looks for accelerators each call.
-        saved = torch.get_rng_state() if get_worker_info() is None else None
-        torch.default_generator.manual_seed(self.epoch_base + index)
-        try:
-            return self.dataset[index]
-        finally:
-            if saved is not None:
-                torch.set_rng_state(saved)
+        torch.default_generator.manual_seed(self.epoch_base + index)  # torch.manual_seed would look for accelerators
+        return self.dataset[index]
 
 
 class ShardSampler(Sampler[int]):
@@ -119,11 +127,14 @@ class DeviceBatches:
             yield tuple(tensor[index] for tensor in self.tensors)
 
 
-def _seed_worker(worker_id: int) -> None:
+def _start_worker(worker_id: int) -> None:
     # torch seeds each worker from the loader's generator; derive numpy's and Python's seeds from it too.
     seed = torch.initial_seed() % 2**32
     np.random.seed(seed)
     random.seed(seed)
+    # What the worker holds by now (torch, the data set) lives as long as it does: out of the collector's way, as
+    # src/train.py does for its own imports; each full collection would otherwise re-scan it.
+    gc.freeze()
 
 
 def auto_num_workers() -> int:
@@ -183,7 +194,7 @@ def build_loaders(
         pin_memory=device.type == "cuda",  # page-locked host memory: asynchronous (non_blocking) copies
         persistent_workers=num_workers > 0,
         prefetch_factor=prefetch_factor if num_workers > 0 else None,
-        worker_init_fn=_seed_worker if num_workers > 0 else None,
+        worker_init_fn=_start_worker if num_workers > 0 else None,
         # Workers fork from a server process started once per rank (with persistent workers, once per run), not
         # from the training process: by the time a loader starts its workers, that one runs threads (gloo,
         # TensorBoard's writer, OpenMP's pool) whose locks a fork may copy held, and may have initialised CUDA,
