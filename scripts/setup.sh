@@ -30,8 +30,10 @@ printf 'torch==%s\ntorchvision==0.%d.*\n' "$torch_version" "$((minor + 15))" >"$
 .venv/bin/python -m pip install --quiet --constraint "$constraints" -e ".[dev,vision]"
 if ! .venv/bin/python -c "import torchvision" 2>/dev/null; then
   vision_version=$(.venv/bin/python -m pip show torchvision 2>/dev/null | sed -n 's/^Version: //p')
-  echo "setup: torchvision $vision_version is installed but does not load beside torch $torch_version" \
-    "(a CUDA torchvision needs a CUDA torch): delete .venv and rerun to take torch 2.14.1 with torchvision 0.29.1," \
-    "or install both from one index, e.g. PIP_INDEX_URL=https://download.pytorch.org/whl/cpu" >&2
+  # Uninstalled again, so that a rerun from another index does not find it already there.
+  .venv/bin/python -m pip uninstall --quiet --yes torchvision
+  echo "setup: torchvision $vision_version does not load beside torch $torch_version (a CUDA torchvision needs a" \
+    "CUDA torch; removed it again): delete .venv and rerun to take torch 2.14.1 with torchvision 0.29.1, or rerun" \
+    "with both from one index, e.g. PIP_INDEX_URL=https://download.pytorch.org/whl/cpu" >&2
   exit 1
 fi
