@@ -13,7 +13,7 @@ ARGS ?=
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
 
-setup:  ## create .venv (if missing) and install hydraloop with its dev extra (idempotent)
+setup:  ## create .venv (if missing) and install hydraloop with its dev and vision extras (idempotent)
 	bash scripts/setup.sh
 
 train:  ## one training run: make train ARGS="experiment=mnist1d_cnn"

@@ -10,6 +10,9 @@
     `python -c "import torch"`.
 (c) parallel=dataparallel and parallel=ddp with 1 and 2 processes (`--ddp-procs`) against parallel=single, as whole
     commands.
+(d) Images per second through hydraloop's training loader over an image folder (scripts/make_image_folder.py's
+    digits, 16x16 random crops and flips, seeded per sample) with 0, 1 and 2 worker processes. (a) also runs a
+    small CNN on that folder against a hand-written ImageFolder loop with as many workers.
 
 Prints a table and writes the figures as JSON. Medians throughout; (a)'s ratio is the median over processes of
 each process's median ratio of back-to-back pairs, the others are ratios of medians measured in this run.
@@ -37,10 +40,13 @@ from torch.utils.data import DataLoader
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from make_image_folder import DEFAULT_ROOT, write_digits  # noqa: E402
 
 from hydraloop.checkpoint import TrainState  # noqa: E402
 from hydraloop.config import register_configs  # noqa: E402
-from hydraloop.data.loaders import build_loaders  # noqa: E402
+from hydraloop.data.loaders import SeededAugmentation, build_loaders  # noqa: E402
 from hydraloop.parallel.single import SingleDevice  # noqa: E402
 from hydraloop.perf import Throughput  # noqa: E402
 from hydraloop.precision import Precision  # noqa: E402
@@ -52,9 +58,11 @@ from hydraloop.trainer import Trainer, batches_per_epoch  # noqa: E402
 # objects, lands now and then in one contender's sample.
 gc.freeze()
 
+IMAGE_FOLDER = ["data=image_folder", f"data.dataset.root={DEFAULT_ROOT}", "data.image_size=16", "data.batch_size=64"]
 WORKLOADS = {
     "synthetic MLP": ["data=synthetic", "data.dataset.num_train=16384", "data.batch_size=256", "model=mlp"],
     "MNIST-1D CNN": ["data=mnist1d", "data.batch_size=128", "model=cnn"],
+    "image folder CNN": [*IMAGE_FOLDER, "data.num_workers=1", "model=cnn", "model.channels=[16,32]"],
     # experiment=text_gpt's character-level GPT (0.35M parameters, 32 x 64 tokens per step), 40 steps an "epoch".
     "GPT": ["experiment=text_gpt", "model.dropout=0", "trainer.limit_train_batches=40"],
     # The same with dropout 0.1: hydraloop's masks are keyed by sample (hydraloop.keyed_dropout), the hand-written
@@ -119,8 +127,17 @@ def hydraloop_epoch(cfg, device: torch.device):
 def handwritten_epoch(cfg, device: torch.device):
     """What a researcher writes by hand: a shuffling DataLoader, forward, backward, step."""
     train_set, _ = instantiate(cfg.data.dataset)
+    if isinstance(train_set, SeededAugmentation):
+        train_set = train_set.dataset  # the plain ImageFolder: crops drawn from each worker's own stream
+    workers = cfg.data.num_workers
     loader = DataLoader(
-        train_set, batch_size=cfg.data.batch_size, shuffle=True, drop_last=True, pin_memory=device.type == "cuda"
+        train_set,
+        batch_size=cfg.data.batch_size,
+        shuffle=True,
+        drop_last=True,
+        pin_memory=device.type == "cuda",
+        num_workers=workers,
+        persistent_workers=workers > 0,
     )
     torch.manual_seed(cfg.seed)
     model = instantiate(cfg.model).to(device)
@@ -195,8 +212,8 @@ def loop_throughput_in_processes(args) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.loop_processes):
             out = Path(tmp) / f"loop_{i}.json"
-            one_process = ["--loop-processes", "1", "--skip", "startup", "ddp", "--out", str(out), "--workloads"]
-            one_process += args.workloads
+            one_process = ["--loop-processes", "1", "--skip", "startup", "ddp", "images", "--out", str(out)]
+            one_process += ["--workloads", *args.workloads]
             options = ["--repeats", str(args.repeats), "--device", args.device, "--precision", args.precision]
             subprocess.run([sys.executable, __file__, *options, *one_process], check=True, capture_output=True)
             runs.append(json.loads(out.read_text())["loop"])
@@ -314,6 +331,43 @@ def ddp_scaling(args) -> list[dict]:
     ]
 
 
+def loading_epochs(loader):
+    """A function that loads one epoch of `loader`, a new permutation each call; returns the samples loaded."""
+    epochs = itertools.count()
+
+    def epoch() -> int:
+        loader.sampler.set_epoch(next(epochs))
+        return sum(len(targets) for _, targets in loader)
+
+    return epoch
+
+
+def image_loader_throughput(args, device: torch.device) -> list[dict]:
+    """(d): hydraloop's training loader alone, one epoch at a time, after a first epoch that starts the workers."""
+    cfg = compose_config(IMAGE_FOLDER)
+    rows = []
+    for workers in (0, 1, 2):
+        train_set, val_set = instantiate(cfg.data.dataset)
+        loader, _ = build_loaders(
+            *(train_set, val_set),
+            global_batch_size=cfg.data.batch_size,
+            global_val_batch_size=cfg.data.batch_size,
+            rank=0,
+            world_size=1,
+            seed=cfg.seed,
+            num_workers=workers,
+            drop_last=True,
+            device=device,
+        )
+        epoch = loading_epochs(loader)
+        epoch()
+        rates = [timed(epoch, device) for _ in range(args.repeats)]
+        rows.append({"workers": workers, "images_per_s": statistics.median(rates), "samples": rates})
+        del loader, epoch  # its persistent workers end here, not while the next setting is timed
+        gc.collect()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
@@ -321,7 +375,7 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--precision", default="32", choices=["32", "bf16", "fp16"])
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "benchmark.json")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["loop", "startup", "ddp"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["loop", "startup", "ddp", "images"])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS), help="(a)'s")
     parser.add_argument("--ddp-procs", nargs="+", type=int, default=[1, 2], help="(c): parallel=ddp with these many")
     args = parser.parse_args()
@@ -345,6 +399,7 @@ def main() -> None:
         "precision": args.precision,
         "date": time.strftime("%Y-%m-%d"),
     }
+    write_digits(DEFAULT_ROOT)  # the image folder of (a) and (d), unless it is there
     if "loop" not in args.skip:
         one = args.loop_processes == 1
         report["loop"] = loop_throughput(args, device) if one else loop_throughput_in_processes(args)
@@ -352,10 +407,10 @@ def main() -> None:
             f"\n(a) loop throughput, samples/s: {args.repeats} interleaved pairs in each of {args.loop_processes} "
             "process(es); medians"
         )
-        print(f"{'workload':<16}{'hydraloop':>12}{'hand-written':>14}{'ratio':>8}")
+        print(f"{'workload':<18}{'hydraloop':>12}{'hand-written':>14}{'ratio':>8}")
         for row in report["loop"]:
             print(
-                f"{row['workload']:<16}{row['hydraloop_samples_per_s']:>12.0f}"
+                f"{row['workload']:<18}{row['hydraloop_samples_per_s']:>12.0f}"
                 f"{row['handwritten_samples_per_s']:>14.0f}{row['ratio']:>8.3f}"
             )
     if "startup" not in args.skip:
@@ -376,6 +431,10 @@ def main() -> None:
             print(
                 f"{row['variant']:<14}{row['wall_s']:>9.2f}{row['samples_per_s']:>12.0f}{row['ratio_vs_single']:>11.3f}"
             )
+    if "images" not in args.skip:
+        report["images"] = image_loader_throughput(args, device)
+        print(f"\n(d) image folder through the training loader, images/s (median of {args.repeats} epochs)")
+        print("  ".join(f"{row['workers']} workers: {row['images_per_s']:.0f}" for row in report["images"]))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwritten: {args.out}")

@@ -234,6 +234,8 @@ def main(cfg: DictConfig) -> float:
             if cfg.mode == "predict":  # the file fits the model: before any rank starts
                 load_inputs(cfg.data.predict_path, cfg.data.input_shape, tokens=task.tokens_per_sample is not None)
             strategy.check(cfg)
+            if cfg.data.check:  # the data set's own checks, e.g. an image folder's layout
+                instantiate(cfg.data.check)
             build_logger(cfg.logger)  # its settings and package, checked before any rank starts; writes nothing yet
             ckpt_path = checkpoint_to_resume(cfg, report=strategy.is_main_process)
             if ckpt_path:

@@ -54,6 +54,16 @@ def train_env(data_cache) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
+def image_folder(data_cache, train_env) -> Path:
+    """scripts/make_image_folder.py's digits as PNGs (1437 train, 360 val, 10 classes, 32x32), once per session,
+    where experiment=images_resnet looks for them (under the session's XDG_CACHE_HOME)."""
+    root = data_cache / "hydraloop" / "digits_images"
+    script = REPO / "scripts" / "make_image_folder.py"
+    subprocess.run([sys.executable, str(script), str(root)], env=train_env, check=True, capture_output=True)
+    return root
+
+
+@pytest.fixture(scope="session")
 def run_train(train_env, tmp_path_factory):
     """run_train(*overrides, run_dir=None, timeout=180) -> Run, for `python src/train.py OVERRIDES`.
 

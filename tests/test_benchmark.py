@@ -17,7 +17,7 @@ def test_benchmark_reports_loop_and_startup_figures(tmp_path, train_env):
     proc = subprocess.run(
         [
             *[sys.executable, str(REPO / "scripts" / "benchmark.py"), "--repeats", "2", "--loop-processes", "2"],
-            *["--skip", "ddp", "--out", str(out), "--workloads", "synthetic MLP", "GPT"],
+            *["--skip", "ddp", "--out", str(out), "--workloads", "synthetic MLP", "GPT", "image folder CNN"],
         ],
         env=train_env,
         capture_output=True,
@@ -26,7 +26,7 @@ def test_benchmark_reports_loop_and_startup_figures(tmp_path, train_env):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
-    assert [row["workload"] for row in report["loop"]] == ["synthetic MLP", "GPT"]
+    assert [row["workload"] for row in report["loop"]] == ["synthetic MLP", "GPT", "image folder CNN"]
     for row in report["loop"]:
         # Each process's ratio is the median of its back-to-back pairs'; the row's, the median over processes.
         assert len(row["processes"]) == 2
@@ -40,4 +40,7 @@ def test_benchmark_reports_loop_and_startup_figures(tmp_path, train_env):
     assert startup["overhead_vs_import_torch_s"] == pytest.approx(
         startup["train_py_first_step_s"] - startup["import_torch_s"]
     )
-    assert "(a) loop throughput" in proc.stdout and "(b) start-up" in proc.stdout
+    assert [row["workers"] for row in report["images"]] == [0, 1, 2]
+    for row in report["images"]:
+        assert len(row["samples"]) == 2 and row["images_per_s"] == pytest.approx(statistics.median(row["samples"]))
+    assert "(a) loop throughput" in proc.stdout and "(b) start-up" in proc.stdout and "(d) image folder" in proc.stdout

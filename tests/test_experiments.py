@@ -2,6 +2,8 @@
 conf/train.yaml, it runs through the real CLI, and (slow) the full recipe still reaches the figure its header
 records."""
 
+import functools
+import operator
 import re
 
 import pytest
@@ -12,6 +14,8 @@ from conftest import REPO
 from hydraloop.config import register_configs
 
 EXPERIMENTS = sorted(path.stem for path in (REPO / "conf" / "experiment").glob("*.yaml"))
+# ImageNet is not here: test_images.py runs that recipe's first steps on a small image folder instead.
+RUNNABLE = [name for name in EXPERIMENTS if name != "imagenet_resnet50"]
 
 
 def test_the_recorded_recipes_are_there():
@@ -52,18 +56,18 @@ def test_experiment_selects_what_it_says(name):
         target = "dataset._target_" if group == "data" else "_target_"
         assert OmegaConf.select(cfg[group], target) == OmegaConf.select(alone[group], target), (group, option)
 
-    # Every key the experiment sets is in the composed config (it wins over conf/train.yaml's own keys).
+    # Every key the experiment sets is in the composed config (it wins over conf/train.yaml's own keys), as written:
+    # interpolations (`${linear_scaling:...}`) unresolved.
+    written = OmegaConf.to_container(cfg, resolve=False)
     for key, value in leaves(source):
-        composed = OmegaConf.select(cfg, key)
-        if isinstance(composed, (list, dict)) or OmegaConf.is_config(composed):
-            composed = OmegaConf.to_container(composed)
+        composed = functools.reduce(operator.getitem, key.split("."), written)
         assert composed == value, f"{name}: {key} is {composed}, the experiment sets {value}"
     trainer = source.get("trainer", {})
     assert trainer.get("max_epochs") or trainer.get("max_steps"), f"{name} must set its budget of epochs or steps"
 
 
-@pytest.mark.parametrize("name", EXPERIMENTS)
-def test_experiment_runs_through_the_cli(run_train, name):
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_experiment_runs_through_the_cli(run_train, image_folder, name):
     run = run_train(
         f"experiment={name}", "trainer.max_epochs=1", "trainer.max_steps=null", "trainer.limit_train_batches=30"
     )
@@ -83,8 +87,8 @@ def recorded_figure(name: str) -> tuple[str, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", EXPERIMENTS)
-def test_recipe_reaches_its_recorded_figure(run_train, name):
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_recipe_reaches_its_recorded_figure(run_train, image_folder, name):
     """The whole recipe, as documented. CPU round-off differs with the thread count: allow 0.02 (3% of a loss)."""
     metric, expected = recorded_figure(name)
     cfg = compose_train(f"experiment={name}")

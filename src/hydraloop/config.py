@@ -24,6 +24,7 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
 from hydraloop.errors import ConfigError
+from hydraloop.resolvers import ARITHMETIC_AND_DATA
 
 PRECISIONS = ("32", "bf16", "fp16")
 
@@ -99,8 +100,9 @@ class DataConfig:
     """Real-valued targets' shape per sample (task=regression), e.g. [] for one value; null: integer class labels."""
     val_batch_size: int | None = None
     """Global evaluation batch size; null: same as batch_size."""
-    num_workers: int = 0
-    """DataLoader worker processes per rank; 0 loads in the training process (best for small in-memory sets)."""
+    num_workers: Any = 0
+    """DataLoader worker processes per rank; 0 loads in the training process (best for small in-memory sets); auto:
+    this rank's share of the CPU cores, less one for the rank itself (hydraloop.data.loaders.auto_num_workers)."""
     drop_last: bool = True
     """Drop the last incomplete global batch, so every step sees `batch_size` samples and DDP matches single."""
     shuffle: bool = True
@@ -125,6 +127,15 @@ class DataConfig:
     """data=text: the vocabulary, resolved from the file (hydraloop.data.text); null at byte level."""
     vocab_size: int | None = None
     """Sequence data: the number of distinct tokens, read by a language model as model.vocab_size."""
+    check: Any = None
+    """`_target_` called once in the launcher, before any rank starts, that raises ConfigError on bad data (an image
+    folder's layout, say); null: none."""
+    image_size: int | None = None
+    """Image data: the side of the square crops the model sees; the transforms and input_shape follow from it."""
+    train_transforms: Any = None
+    """Image data: a list of `_target_`s (torchvision.transforms.v2) applied in order, ending in a float tensor."""
+    val_transforms: Any = None
+    """Image data: the same for validation (deterministic: no random crops)."""
 
 
 @dataclass
@@ -285,8 +296,8 @@ def _reporting_config_errors(resolver: Callable[..., Any]) -> Callable[..., Any]
 def register_configs() -> None:
     """The schemas, and the resolvers: `${sweep_direction:max}` -> maximize (for sweepers), `${shared_run_path:}`,
     `${rank_zero_only:value}`, `${run_owner_only:value}`, `${default_metric:<task class>}`,
-    `${metric_mode:<task class>,<metric>}`, and data=text's `${text_vocab:path,level}` and
-    `${text_vocab_size:vocab}`."""
+    `${metric_mode:<task class>,<metric>}`, data=text's `${text_vocab:path,level}` and `${text_vocab_size:vocab}`,
+    `${image_folder_classes:root}`, `${linear_scaling:0.1,256,${data.batch_size}}`, `${resize_for_center_crop:224}`."""
     from hydraloop.data import text  # here, not at the top: the module imports torch and numpy
 
     for name, resolver in (("text_vocab", text.text_vocab), ("text_vocab_size", text.vocab_size)):
@@ -305,6 +316,9 @@ def register_configs() -> None:
     if not OmegaConf.has_resolver("metric_mode"):
         # An unknown metric gets a placeholder here: check_task names the valid ones in one line.
         OmegaConf.register_new_resolver("metric_mode", lambda task, metric: get_class(task).metrics.get(metric, "max"))
+    for name, resolver in ARITHMETIC_AND_DATA.items():
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, resolver)
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
     cs.store(group="schema/parallel", name="single", node=SingleConfig)
@@ -328,6 +342,11 @@ def check_config(cfg: Any, world_size: int) -> None:
         batch_size % world_size == 0,
         f"data.batch_size={batch_size}: not divisible by the world size {world_size} "
         "(it is the global batch, split evenly over the ranks)",
+    )
+    workers = cfg.data.num_workers
+    _require(
+        workers == "auto" or isinstance(workers, int) and not isinstance(workers, bool) and workers >= 0,
+        f"data.num_workers={workers}: must be a number of worker processes (0 or more) or auto",
     )
     val_batch_size = cfg.data.val_batch_size
     _require(val_batch_size is None or val_batch_size > 0, f"data.val_batch_size={val_batch_size}: must be positive")

@@ -17,7 +17,17 @@ STORAGE_EXIT_CODE = 74  # EX_IOERR in sysexits.h: a wrapper script can tell a fu
 
 
 class ConfigError(ValueError):
-    """Bad input. The message names the key and the value."""
+    """Bad input. The message names the key and the value.
+
+    Raised in a DataLoader worker (say, for a file that cannot be decoded), it reaches the training process
+    re-raised by the loader, with the worker's traceback as its message (torch.utils.data._utils.ExceptionWrapper):
+    only the traceback's last line, ours, is kept.
+    """
+
+    def __init__(self, message: str) -> None:
+        if message.startswith(f"Caught {type(self).__name__} in DataLoader worker"):
+            message = message.rstrip().splitlines()[-1].split(": ", 1)[-1]
+        super().__init__(message)
 
 
 class TrainingDiverged(FloatingPointError):

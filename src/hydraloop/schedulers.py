@@ -40,3 +40,10 @@ def cosine_with_warmup(
         return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return LambdaLR(optimizer, factor)
+
+
+def step_decay(
+    optimizer: Optimizer, *, total_steps: int, steps_per_epoch: int, step_epochs: int = 30, gamma: float = 0.1
+) -> LambdaLR:
+    """The lr times `gamma` after every `step_epochs` epochs, at the epoch's first step (torch's StepLR, by epoch)."""
+    return LambdaLR(optimizer, lambda step: gamma ** (step // (step_epochs * steps_per_epoch)))

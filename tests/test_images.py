@@ -1,0 +1,322 @@
+"""Images from disk: data=image_folder with random crops and flips that depend on (seed, epoch, sample index) alone,
+model=torchvision, the ImageNet recipe, and bad input named in one line."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+from PIL import Image
+
+from conftest import REPO, TRAIN, bad_input_line, max_param_diff, wait_for
+from hydraloop.config import check_config, register_configs
+from hydraloop.data.loaders import SeededAugmentation, auto_num_workers, build_loaders
+from hydraloop.errors import ConfigError, unwrap_instantiation
+from hydraloop.models.torchvision_model import torchvision_model
+
+
+def compose_train(*overrides: str):
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose("train", overrides=[*overrides, "output_dir=/unused", "log_file=/unused"])
+
+
+def images(root: Path, *overrides: str) -> tuple[str, ...]:
+    """A small, quick image recipe: 16x16 crops of the digits folder, the recipe's random crops and flips."""
+    return ("data=image_folder", f"data.dataset.root={root}", "data.image_size=16", "logger=none", *overrides)
+
+
+def train_loader(root: Path, rank: int, world_size: int, num_workers: int, epoch: int, start_batch: int = 0):
+    cfg = compose_train(*images(root))
+    train_set, val_set = instantiate(cfg.data.dataset)
+    loader, _ = build_loaders(
+        train_set,
+        val_set,
+        global_batch_size=8,
+        global_val_batch_size=8,
+        rank=rank,
+        world_size=world_size,
+        seed=0,
+        num_workers=num_workers,
+        drop_last=True,
+        device=torch.device("cpu"),
+    )
+    loader.sampler.set_epoch(epoch, start_batch=start_batch)
+    return loader
+
+
+def first_batches(loader, count: int) -> list[torch.Tensor]:
+    batches = iter(loader)
+    return [next(batches)[0] for _ in range(count)]
+
+
+def test_a_samples_crop_and_flip_depend_on_seed_epoch_and_index_alone(image_folder):
+    cfg = compose_train(*images(image_folder))
+    train_set, _ = instantiate(cfg.data.dataset)
+    assert isinstance(train_set, SeededAugmentation)
+    torch.manual_seed(1234)
+    stream = torch.get_rng_state()
+    sample = train_set[(0, 5)][0]
+    assert sample.shape == (3, 16, 16) and sample.dtype == torch.float32
+    assert torch.equal(train_set[(0, 5)][0], sample)
+    assert not torch.equal(train_set[(1, 5)][0], sample)  # another epoch, another crop
+    assert torch.equal(torch.get_rng_state(), stream)  # the training process's own stream is left as it was
+
+    # One process without workers, two ranks with two workers each, and a resume after one batch: the same images.
+    single = first_batches(train_loader(image_folder, 0, 1, num_workers=0, epoch=1), 3)
+    ranks = [first_batches(train_loader(image_folder, rank, 2, num_workers=2, epoch=1), 3) for rank in (0, 1)]
+    for step, batch in enumerate(single):  # rank r takes positions r, r + 2, ... of the global batch
+        assert torch.equal(ranks[0][step], batch[0::2]) and torch.equal(ranks[1][step], batch[1::2])
+    resumed = first_batches(train_loader(image_folder, 0, 1, num_workers=2, epoch=1, start_batch=1), 2)
+    assert torch.equal(resumed[0], single[1]) and torch.equal(resumed[1], single[2])
+
+
+def test_auto_num_workers_is_this_ranks_share_of_the_cores(monkeypatch):
+    cores = len(os.sched_getaffinity(0))
+    for key in ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "SLURM_CPUS_PER_TASK"):
+        monkeypatch.delenv(key, raising=False)
+    assert auto_num_workers() == max(1, cores - 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # set, but no elastic agent: one rank per task (SLURM)
+    assert auto_num_workers() == max(1, cores - 1)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")  # torchrun / spawned ranks share the cores
+    assert auto_num_workers() == max(1, cores // 2 - 1)
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "1")
+    assert auto_num_workers() == 1
+
+
+def test_named_weights_load_from_the_hub_cache_and_a_new_head_starts_fresh(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    with pytest.raises(ConfigError, match="model.weights=IMAGENET1K_V1: expected .*/hub/checkpoints/resnet18-"):
+        torchvision_model("resnet18", num_classes=10, weights="IMAGENET1K_V1")
+    # Any file of the right name and keys is what an offline machine would have copied there.
+    torch.manual_seed(0)
+    imagenet = torchvision_model("resnet18", num_classes=1000).state_dict()
+    (tmp_path / "hub" / "checkpoints").mkdir(parents=True)
+    torch.save(imagenet, tmp_path / "hub" / "checkpoints" / "resnet18-f37072fd.pth")
+    same_head = torchvision_model("resnet18", num_classes=1000, weights="ResNet18_Weights.IMAGENET1K_V1")
+    assert max_param_diff(same_head.state_dict(), imagenet) == 0.0
+    ten = torchvision_model("resnet18", num_classes=10, weights="DEFAULT").state_dict()
+    assert ten["fc.weight"].shape == (10, 512)
+    assert (
+        max_param_diff(
+            {k: v for k, v in ten.items() if not k.startswith("fc.")},
+            {k: v for k, v in imagenet.items() if not k.startswith("fc.")},
+        )
+        == 0.0
+    )
+
+
+def test_step_schedule_and_the_imagenet_recipe_compose():
+    cfg = compose_train("experiment=imagenet_resnet50", "data.dataset.root=/data/imagenet")
+    assert (cfg.model.arch, cfg.data.batch_size, cfg.trainer.max_epochs) == ("resnet50", 256, 90)
+    assert (cfg.optimizer.lr, cfg.optimizer.momentum, cfg.optimizer.weight_decay) == (0.1, 0.9, 1e-4)
+    assert compose_train("experiment=imagenet_resnet50", "data.batch_size=1024").optimizer.lr == pytest.approx(0.4)
+    assert cfg.data.num_workers == "auto"
+    assert [t._target_.rsplit(".", 1)[1] for t in cfg.data.val_transforms][:2] == ["Resize", "CenterCrop"]
+    assert (cfg.data.val_transforms[0].size, cfg.data.val_transforms[1].size) == (256, 224)
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    scheduler = instantiate(cfg.scheduler)(optimizer, total_steps=900, steps_per_epoch=10)
+    lrs = []
+    for _ in range(901):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert lrs[299] == 1.0 and lrs[300] == pytest.approx(0.1) and lrs[600] == pytest.approx(0.01)
+
+
+# --- whole runs --------------------------------------------------------------------------------------------------
+
+EXACT = ("model=cnn", "model.channels=[8,16]", "optimizer=sgd", "data.batch_size=32", "trainer.max_epochs=2")
+
+
+@pytest.mark.slow
+def test_ddp_with_workers_ends_with_the_parameters_of_single_without(run_train, image_folder):
+    """Random crops and flips on, a model without batch norm (whose statistics are per rank)."""
+    common = images(image_folder, *EXACT, "trainer.limit_train_batches=8")
+    single = run_train(*common, "data.num_workers=0")
+    ddp = run_train(*common, "parallel=ddp", "parallel.nproc_per_node=2", "data.num_workers=2")
+    assert single.returncode == 0, single.output
+    assert ddp.returncode == 0, ddp.output
+    assert ddp.metrics["world_size"] == 2 and ddp.metrics["global_step"] == single.metrics["global_step"] == 16
+    assert max_param_diff(ddp.checkpoint()["model"], single.checkpoint()["model"]) < 1e-5
+    assert ddp.metrics["val/acc"] == single.metrics["val/acc"]
+    # The crops matter: other crops of the same samples (another augmentation seed) end elsewhere.
+    other = run_train(*common, "data.num_workers=0", "data.dataset.augmentation_seed=1")
+    assert max_param_diff(other.checkpoint()["model"], single.checkpoint()["model"]) > 1e-3
+
+
+RECOVERY = ("data.batch_size=64", "trainer.max_epochs=2", "model.dropout=0.2", "trainer.log_every_n_steps=5")
+
+
+@pytest.mark.slow
+def test_stop_mid_epoch_then_rerun_with_workers_ends_where_the_uninterrupted_run_ends(
+    run_train, train_env, tmp_path, image_folder
+):
+    pause_file = tmp_path / "paused"
+    overrides = [
+        f"hydra.run.dir={tmp_path / 'run'}",
+        *images(image_folder, *RECOVERY, "data.num_workers=2"),
+        "model._target_=tests.faults.PausingMLP",
+        f"+model.pause_file={pause_file}",
+        "+model.fail_rank=0",
+        "+model.fail_at_step=13",
+    ]
+    command = [sys.executable, str(TRAIN), *overrides]
+    job = subprocess.Popen(command, env=train_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for(pause_file, job)  # inside step 13 of 22 in epoch 1
+    job.send_signal(signal.SIGTERM)
+    output = job.communicate(timeout=120)[0]
+    assert job.returncode == 128 + signal.SIGTERM, output
+    checkpoint = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+    assert (checkpoint["epoch"], checkpoint["global_step"], checkpoint["epoch_step"]) == (0, 15, 15)
+
+    rerun = subprocess.run(command, env=train_env, capture_output=True, text=True, timeout=180)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    uninterrupted = run_train(*images(image_folder, *RECOVERY, "data.num_workers=0"))
+    assert uninterrupted.returncode == 0, uninterrupted.output
+    resumed = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+    assert resumed["global_step"] == uninterrupted.checkpoint()["global_step"] == 44
+    assert max_param_diff(resumed["model"], uninterrupted.checkpoint()["model"]) < 1e-6
+
+
+@pytest.mark.slow
+def test_imagenet_recipe_runs_its_first_steps_on_a_tiny_folder(run_train, image_folder):
+    run = run_train(
+        "experiment=imagenet_resnet50",
+        *images(image_folder, "data.batch_size=32", "trainer.max_epochs=1"),
+        "trainer.limit_train_batches=2",
+        "trainer.limit_val_batches=1",
+    )
+    assert run.returncode == 0, run.output
+    assert run.metrics["global_step"] == 2
+    groups = run.checkpoint()["optimizer"]["param_groups"]
+    assert groups[0]["lr"] == pytest.approx(0.1 * 32 / 256) and groups[0]["momentum"] == 0.9
+
+
+# --- bad input ---------------------------------------------------------------------------------------------------
+
+
+def write_folder(root: Path, counts: dict[str, int], size: int = 12) -> Path:
+    """root/<split>/<class>/<n>.png for {"train/a": 3, ...}: grey squares of `size` pixels."""
+    for folder, count in counts.items():
+        (root / folder).mkdir(parents=True, exist_ok=True)
+        for n in range(count):
+            Image.new("L", (size, size), color=40 * n).save(root / folder / f"{n}.png")
+    return root
+
+
+TWO_CLASSES = {"train/a": 4, "train/b": 4, "val/a": 2, "val/b": 2}
+
+
+def rejected(run) -> str:
+    error = bad_input_line(run)
+    assert not (run.run_dir / "checkpoints").exists() and not (run.run_dir / "metrics.json").exists()
+    return error
+
+
+def tiny(root: Path, *overrides: str) -> tuple[str, ...]:
+    return ("data=image_folder", f"data.dataset.root={root}", "data.image_size=8", "data.batch_size=2", *overrides)
+
+
+def launch_check(*overrides: str) -> str:
+    """The one line of what data.check (run by the launcher before any rank starts) raises for this config."""
+    cfg = compose_train(*overrides)
+    try:
+        check_config(cfg, world_size=1)
+        instantiate(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)).data.check)
+    except Exception as error:
+        cause = unwrap_instantiation(error)  # as the launcher does
+        assert isinstance(cause, ConfigError) and "\n" not in str(cause), error
+        return str(cause)
+    raise AssertionError("the check accepted it")
+
+
+def test_missing_root_ends_the_run_in_the_launcher(run_train, tmp_path):
+    run = run_train(*tiny(tmp_path / "nowhere", "parallel=ddp"))
+    assert rejected(run).endswith(f"data.dataset.root={tmp_path / 'nowhere'}: no such folder")
+    assert "[rank " not in run.output  # no rank started
+
+
+@pytest.mark.parametrize(
+    "counts, expected",
+    [
+        ({"train/a": 1}, "has no val/; it needs train/ and val/, each with one folder per class"),
+        ({**TWO_CLASSES, "train/b": 0}, "train/b holds no image (each class folder needs at least one)"),
+        ({**TWO_CLASSES, "train/c": 1}, "train/ and val/ have different classes (only in train/: c)"),
+    ],
+)
+def test_bad_folder(tmp_path, counts, expected):
+    root = write_folder(tmp_path / "images", counts)
+    assert launch_check(*tiny(root)) == f"data.dataset.root={root}: {expected}"
+
+
+def test_unreadable_image_seen_at_launch(run_train, tmp_path):
+    root = write_folder(tmp_path / "images", TWO_CLASSES)
+    (root / "train" / "a" / "0.png").write_bytes(b"not a png")
+    error = rejected(run_train(*tiny(root)))
+    assert error.endswith(
+        f"data.dataset.root={root}: cannot read image {root}/train/a/0.png: cannot identify image file"
+    )
+
+
+@pytest.mark.slow
+def test_unreadable_image_in_a_worker_ends_the_run_with_one_line(run_train, tmp_path):
+    root = write_folder(tmp_path / "images", TWO_CLASSES)
+    (root / "train" / "b" / "2.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")  # a PNG signature, then nothing
+    run = run_train(*tiny(root, "data.num_workers=1", "trainer.max_epochs=1"))
+    expected = f"data.dataset.root={root}: cannot read image {root}/train/b/2.png: Truncated File Read"
+    assert rejected(run).endswith(expected)
+    assert "DataLoader worker" not in run.output  # the worker's traceback is not passed on
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        (
+            "data.val_transforms=[{_target_:torchvision.transforms.v2.CenterCrop,size:8}]",
+            "data.val_transforms: makes a PIL.Image of train/a/0.png; the list must end in a float tensor, e.g. with "
+            "torchvision.transforms.v2.ToImage and ToDtype(dtype=torch.float32, scale=true)",
+        ),
+        (
+            "data.val_transforms=[{_target_:torchvision.transforms.v2.PILToTensor}]",
+            "data.val_transforms: makes a torch.uint8 tensor of train/a/0.png; the list must end in a float tensor, "
+            "e.g. with torchvision.transforms.v2.ToImage and ToDtype(dtype=torch.float32, scale=true)",
+        ),
+        (
+            "data.input_shape=[3,9,9]",
+            "data.input_shape=[3, 9, 9]: data.train_transforms makes [3, 8, 8] of train/a/0.png; set "
+            "data.input_shape (or data.image_size) to what the transforms make",
+        ),
+        (
+            "data.train_transforms=[{_target_:torchvision.transforms.v2.Blur}]",
+            "data.train_transforms[0]: cannot build it: No module named 'torchvision.transforms.v2.Blur'",
+        ),
+        (
+            "data.train_transforms=[{_target_:torchvision.transforms.v2.RandomResizedCrop,sise:8}]",
+            "data.train_transforms[0]: cannot build it: RandomResizedCrop.__init__() got an unexpected keyword "
+            "argument 'sise'",
+        ),
+        ("data.num_workers=some", "data.num_workers=some: must be a number of worker processes (0 or more) or auto"),
+    ],
+)
+def test_bad_transforms_or_workers(tmp_path, override, expected):
+    root = write_folder(tmp_path / "images", TWO_CLASSES)
+    assert launch_check(*tiny(root, override)) == expected
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("model.arch=resnet19", "model.arch=resnet19: not a torchvision classification model; closest: resnet18, "),
+        ("model.weights=DEFAULT", "model.weights=DEFAULT: expected "),
+    ],
+)
+def test_bad_torchvision_model(run_train, tmp_path, override, expected):
+    root = write_folder(tmp_path / "images", TWO_CLASSES)
+    assert expected in rejected(run_train(*tiny(root, "model=torchvision", override)))
