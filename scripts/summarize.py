@@ -31,8 +31,8 @@ from typing import Any
 
 import yaml
 
-TABLE_METRICS = ("val/acc", "val/loss", "train/loss", "epoch", "wall_time_s")
-FOLD_METRICS = ("val/acc", "val/loss", "train/loss")
+RUN_METRICS = ("train/loss", "epoch", "wall_time_s")
+"""Shown after the task's validation metrics (those of the jobs' metrics.json), which come first."""
 CURVES = (("val/acc", "validation accuracy"), ("val/loss", "validation loss"))
 
 
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     if configurations:
         markdown += render_folds(configurations, metric, mode)
     (out / "summary.md").write_text(markdown)
-    write_csv(out / "summary.csv", jobs)
+    write_csv(out / "summary.csv", jobs, metric)
     plot_curves(out / "val_curves.png", sweep_dir, jobs, metric, mode, configurations)
     print(markdown, end="")
     print(f"\nwrote {out / 'summary.md'}, {out / 'summary.csv'}, {out / 'val_curves.png'}", file=sys.stderr)
@@ -115,15 +115,36 @@ def read_job(path: Path) -> Job | None:
         return None
     overrides = load_yaml(path / ".hydra" / "overrides.yaml") or []
     config = load_yaml(path / ".hydra" / "config.yaml") or {}
+    metric, mode = optimization_of(path / ".hydra" / "config.yaml")
     return Job(
         name=path.name,
         path=path,
         overrides=[str(item) for item in overrides],
         metrics=json.loads(metrics_file.read_text()),
-        optimized_metric=str(config.get("optimized_metric", "val/acc")),
-        mode=str(config.get("optimized_metric_mode", "max")),
+        optimized_metric=metric,
+        mode=mode,
         fold=(config.get("data") or {}).get("fold") if (config.get("data") or {}).get("num_folds") else None,
     )
+
+
+def optimization_of(config_file: Path) -> tuple[str, str]:
+    """`optimized_metric` and its mode. Hydra saves the config unresolved, and both default to interpolations of the
+    task (`${default_metric:...}`): they are resolved here with hydraloop's resolvers."""
+    if not config_file.is_file():
+        return "val/acc", "max"
+    from omegaconf import OmegaConf
+
+    from hydraloop.config import register_configs
+
+    register_configs()
+    config = OmegaConf.load(config_file)
+    return str(OmegaConf.select(config, "optimized_metric")), str(OmegaConf.select(config, "optimized_metric_mode"))
+
+
+def table_metrics(jobs: list[Job], metric: str) -> list[str]:
+    """The optimized metric, the task's other validation metrics, then RUN_METRICS."""
+    found = {key for job in jobs for key in job.metrics if key.startswith("val/")}
+    return [metric, *sorted(found - {metric}), *RUN_METRICS]
 
 
 def load_yaml(path: Path) -> Any:
@@ -244,46 +265,46 @@ def render_markdown(sweep_dir: Path, jobs: list[Job], metric: str, mode: str, co
     if isinstance(results, dict) and "best_value" in results:
         params = " ".join(f"{key}={value}" for key, value in (results.get("best_params") or {}).items())
         lines.append(f"Optuna's best: {fmt(results['best_value'])} with `{params}`")
-    lines += [
-        "",
-        "| job | overrides | " + " | ".join(TABLE_METRICS) + " |",
-        "|---:|---|" + "---:|" * len(TABLE_METRICS),
-    ]
+    columns = table_metrics(jobs, metric)
+    lines += ["", "| job | overrides | " + " | ".join(columns) + " |", "|---:|---|" + "---:|" * len(columns)]
     for job in jobs:
-        cells = [job.name, f"`{job.label}`".replace("|", "\\|"), *(fmt(job.metrics.get(key)) for key in TABLE_METRICS)]
+        cells = [job.name, f"`{job.label}`".replace("|", "\\|"), *(fmt(job.metrics.get(key)) for key in columns)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def render_folds(configurations: list[Configuration], metric: str, mode: str) -> str:
+    jobs = [job for configuration in configurations for job in configuration.jobs]
+    columns = [key for key in table_metrics(jobs, metric) if key not in ("epoch", "wall_time_s")]
     lines = [
         "",
         "## Cross-validation: mean ± standard deviation over folds",
         "",
         f"{len(configurations)} configuration(s), best first by the mean of `{metric}` ({mode}).",
         "",
-        "| configuration | folds | " + " | ".join(FOLD_METRICS) + " |",
-        "|---|---:|" + "---:|" * len(FOLD_METRICS),
+        "| configuration | folds | " + " | ".join(columns) + " |",
+        "|---|---:|" + "---:|" * len(columns),
     ]
     for configuration in configurations:
         cells = [f"`{configuration.label}`".replace("|", "\\|"), str(len(configuration.jobs))]
-        for key in FOLD_METRICS:
+        for key in columns:
             stats = configuration.mean_std(key)
             cells.append("-" if stats is None else fmt(stats[0]) + ("" if stats[1] is None else f" ± {fmt(stats[1])}"))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def write_csv(path: Path, jobs: list[Job]) -> None:
+def write_csv(path: Path, jobs: list[Job], metric: str) -> None:
     """Every metrics.json key (the table's first), values as written: json floats round-trip through repr."""
-    extra = sorted({key for job in jobs for key in job.metrics} - set(TABLE_METRICS))
-    columns = ["job", "overrides", "all_overrides", *TABLE_METRICS, *extra]
+    shown = table_metrics(jobs, metric)
+    extra = sorted({key for job in jobs for key in job.metrics} - set(shown))
+    columns = ["job", "overrides", "all_overrides", *shown, *extra]
     with path.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns)
         writer.writeheader()
         for job in jobs:
             row = {"job": job.name, "overrides": job.label, "all_overrides": " ".join(job.overrides)}
-            row.update({key: job.metrics.get(key, "") for key in (*TABLE_METRICS, *extra)})
+            row.update({key: job.metrics.get(key, "") for key in (*shown, *extra)})
             writer.writerow({key: "" if value is None else value for key, value in row.items()})
 
 

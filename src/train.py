@@ -229,13 +229,13 @@ def main(cfg: DictConfig) -> float:
         # another live run owns, or one that cannot be written, is refused here, before anything is written into it.
         with owned_run_directory(cfg.output_dir, cfg.log_file, owner=strategy.is_main_process):
             check_config(cfg, strategy.world_size)
+            if cfg.data.check:  # the data set's own checks, e.g. an image folder's layout
+                instantiate(cfg.data.check)
             task = instantiate(cfg.task)
             check_task(cfg, task)
             if cfg.mode == "predict":  # the file fits the model: before any rank starts
                 load_inputs(cfg.data.predict_path, cfg.data.input_shape, tokens=task.tokens_per_sample is not None)
             strategy.check(cfg)
-            if cfg.data.check:  # the data set's own checks, e.g. an image folder's layout
-                instantiate(cfg.data.check)
             build_logger(cfg.logger)  # its settings and package, checked before any rank starts; writes nothing yet
             ckpt_path = checkpoint_to_resume(cfg, report=strategy.is_main_process)
             if ckpt_path:

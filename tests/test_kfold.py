@@ -161,16 +161,17 @@ def test_summary_reports_mean_and_std_over_folds(kfold_sweep):
     assert result.returncode == 0, result.stderr
     markdown = (sweep_dir / "summary.md").read_text()
     folds_table = markdown.split("## Cross-validation: mean ± standard deviation over folds")[1]
-    rows = [row for row in table_rows(folds_table) if row[0] != "configuration"]
+    rows = table_rows(folds_table)
     by_lr = {lr: [job_metrics(job) for job in jobs if str(job_config(job)["optimizer"]["lr"]) == lr] for lr in LRS}
     means = {lr: statistics.fmean(m["val/acc"] for m in metrics) for lr, metrics in by_lr.items()}
-    assert [row[0] for row in rows] == [f"`optimizer.lr={lr}`" for lr in sorted(LRS, key=lambda lr: -means[lr])]
+    expected = [f"`optimizer.lr={lr}`" for lr in sorted(LRS, key=lambda lr: -means[lr])]
+    assert [row["configuration"] for row in rows] == expected
     for row in rows:
-        metrics = by_lr[row[0].strip("`").split("=")[1]]
-        assert row[1] == str(FOLDS)
-        for cell, key in zip(row[2:], ("val/acc", "val/loss", "train/loss")):
+        metrics = by_lr[row["configuration"].strip("`").split("=")[1]]
+        assert row["folds"] == str(FOLDS)
+        for key in ("val/acc", "val/loss", "train/loss"):
             values = [m[key] for m in metrics]
-            mean, std = (float(part) for part in cell.split(" ± "))
+            mean, std = (float(part) for part in row[key].split(" ± "))
             assert mean == pytest.approx(statistics.fmean(values), abs=5e-5)
             assert std == pytest.approx(statistics.stdev(values), abs=5e-5) and std > 0
     from matplotlib.image import imread
@@ -187,7 +188,7 @@ def test_each_job_is_one_hparams_row_in_its_own_run(kfold_sweep):
     assert {(tuple(names), tuple(metrics)) for names, metrics, _ in rows} == {
         (
             ("data.num_folds", "data.fold", "optimizer.lr", "trainer.max_epochs", "trainer.limit_train_batches"),
-            ("val/acc", "val/loss", "train/epoch_loss"),
+            ("val/loss", "val/acc", "val/acc_top5", "train/epoch_loss"),
         )
     }
     for job, (_, _, values) in zip(jobs, rows):

@@ -27,9 +27,11 @@ def load_script():
     return module
 
 
-def table_rows(markdown: str) -> list[list[str]]:
-    lines = [line for line in markdown.splitlines() if line.startswith("| ") and not line.startswith("| job")]
-    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
+def table_rows(markdown: str) -> list[dict[str, str]]:
+    """The first markdown table's rows, each a dict from its header's names to the cells."""
+    lines = [line for line in markdown.splitlines() if line.startswith("| ")]
+    header, *rows = ([cell.strip() for cell in line.strip("|").split("|")] for line in lines)
+    return [dict(zip(header, row)) for row in rows]
 
 
 @pytest.mark.slow
@@ -63,11 +65,12 @@ def test_lr_sweep_summary(run_train, tmp_path):
     assert "Overrides shared by all jobs: `trainer.max_epochs=2`" in markdown
     table = table_rows(markdown)
     best_first = sorted(written, key=lambda job: -written[job]["val/acc"])
-    assert [row[0] for row in table] == best_first
+    assert [row["job"] for row in table] == best_first
     assert [row["job"] for row in rows] == best_first
+    assert list(table[0])[:3] == ["job", "overrides", "val/acc"]  # the optimized metric first, then the task's others
     for row in table:
-        assert float(row[2]) == pytest.approx(written[row[0]]["val/acc"], abs=5e-5)
-        assert float(row[3]) == pytest.approx(written[row[0]]["val/loss"], abs=5e-5)
+        assert float(row["val/acc"]) == pytest.approx(written[row["job"]]["val/acc"], abs=5e-5)
+        assert float(row["val/loss"]) == pytest.approx(written[row["job"]]["val/loss"], abs=5e-5)
 
     # The figure: a PNG of a plausible size, not blank.
     from matplotlib.image import imread
@@ -110,7 +113,9 @@ def test_without_events_and_minimizing_val_loss(run_train, tmp_path):
     assert {path.name for path in out.iterdir()} == {"summary.md", "summary.csv", "val_curves.png"}
     assert not (sweep / "summary.md").exists()
     assert "best first by `val/loss` (min)" in result.stdout
-    assert [row[0] for row in table_rows(result.stdout)] == sorted(written, key=lambda job: written[job]["val/loss"])
+    assert [row["job"] for row in table_rows(result.stdout)] == sorted(
+        written, key=lambda job: written[job]["val/loss"]
+    )
 
     module = load_script()  # no events: the final point from metrics.json
     job = module.read_job(sweep / "1")

@@ -155,5 +155,5 @@ def rejected_in_process(train_in_process, tmp_path: Path, caplog, *overrides: st
     assert exit_info.value.code == 2
     errors = [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR]
     assert len(errors) == 1, errors
-    assert [list(path.iterdir()) for path in tmp_path.iterdir() if path.is_dir()] == [[]]
+    assert [list(path.iterdir()) for path in tmp_path.iterdir() if path.is_dir()] == [[]], list(tmp_path.rglob("*"))
     return errors[0]

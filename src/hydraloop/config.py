@@ -330,7 +330,8 @@ def register_configs() -> None:
 def check_config(cfg: Any, world_size: int) -> None:
     """What the schema's types cannot say: ranges, and how the global batch splits over `world_size` ranks."""
     _require(cfg.mode in ("train", "eval", "predict"), f"mode={cfg.mode}: must be train, eval or predict")
-    _require(cfg.mode == "train" or cfg.ckpt_path, f"mode={cfg.mode}: needs ckpt_path=<checkpoint to {cfg.mode} with>")
+    purpose = {"eval": "evaluate", "predict": "predict with"}.get(cfg.mode)
+    _require(cfg.mode == "train" or cfg.ckpt_path, f"mode={cfg.mode}: needs ckpt_path=<checkpoint to {purpose}>")
     _require(
         cfg.mode != "predict" or cfg.data.predict_path,
         "mode=predict: needs data.predict_path=<.npz or .pt file holding x, the inputs>",

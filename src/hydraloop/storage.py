@@ -86,12 +86,13 @@ def check_writable(directory: Path, names: str = "run directory") -> None:
 
 
 def check_appendable(path: Path, names: str) -> None:
-    """Bad input (exit 2) unless the existing file `path` can be appended to; a missing one passes."""
+    """Bad input (exit 2) unless the existing file `path` can be appended to; a missing one passes (and is not
+    made: a run refused later leaves no empty job log behind)."""
+    if not path.exists():
+        return
     try:
         with open(path, "ab"):
             pass
-    except FileNotFoundError:
-        pass
     except OSError as error:
         raise ConfigError(f"{names} {path}: cannot be written: {describe(error)}") from None
 

@@ -224,7 +224,7 @@ class Trainer:
                 epoch_loss += interval.loss_sum
                 self._log_interval(interval, state)
                 interval = Interval(device, self.log_every_n_steps, state.global_step + 1)
-            self._between_steps(state, epoch_loss, interval, last=state.epoch_step == steps)
+            self._between_steps(state, epoch_loss, interval, steps)
         epoch_loss += interval.loss_sum
         self.progress.update(interval.steps)
         check_not_all_skipped(interval)
@@ -236,13 +236,13 @@ class Trainer:
         check_finite(mean, interval, state.epoch, self.strategy)  # the steps since the last logging step
         return mean, state.epoch_step == steps
 
-    def _between_steps(self, state: TrainState, epoch_loss: Tensor, interval: Interval, last: bool) -> None:
-        """Validation and checkpoints every N steps, and a stop signal's checkpoint. Not at the epoch's (or the run's)
-        last step: the epoch end validates and checkpoints anyway."""
+    def _between_steps(self, state: TrainState, epoch_loss: Tensor, interval: Interval, steps: int) -> None:
+        """Validation and checkpoints every N steps, and a stop signal's checkpoint. Not at the epoch's (`steps`) or
+        the run's last step: the epoch end validates and checkpoints anyway."""
         at = state.global_step
         validate = bool(self.val_every_n_steps) and at % self.val_every_n_steps == 0
         save = bool(self.ckpt_every_n_steps) and at % self.ckpt_every_n_steps == 0
-        if last or self.finished(state) or not (validate or save or self.stop_signum):
+        if state.epoch_step == steps or self.finished(state) or not (validate or save or self.stop_signum):
             return
         state.epoch_loss_sum = self._global_sum(epoch_loss + interval.loss_sum)
         if validate:
@@ -251,7 +251,7 @@ class Trainer:
         else:
             self.save_checkpoint(state, {}, is_best=False)
         if self.stop_signum:
-            where = f"after step {at} (epoch {state.epoch + 1}, step {state.epoch_step})"
+            where = f"after step {at} (epoch {state.epoch + 1}, step {state.epoch_step} of {steps})"
             log.info("stopping %s", where)  # the launcher of spawned ranks reports only the signal
             raise Interrupted(self.stop_signum, f"{where}: {self._resume_hint()}")
 
