@@ -29,7 +29,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from hydraloop.backends import configure_backends
 from hydraloop.checkpoint import TrainState, check_resumable, checkpoint_to_resume, resume
-from hydraloop.config import check_config, check_required, check_task, register_configs
+from hydraloop.checks import check_config, check_required, check_task
+from hydraloop.config import register_configs
 from hydraloop.data.loaders import build_loaders
 from hydraloop.errors import (
     ConfigError,

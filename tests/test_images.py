@@ -15,7 +15,8 @@ from omegaconf import OmegaConf
 from PIL import Image
 
 from conftest import REPO, TRAIN, bad_input_line, max_param_diff, wait_for
-from hydraloop.config import check_config, register_configs
+from hydraloop.checks import check_config
+from hydraloop.config import register_configs
 from hydraloop.data.loaders import SeededAugmentation, auto_num_workers, build_loaders
 from hydraloop.errors import ConfigError, unwrap_instantiation
 from hydraloop.models.torchvision_model import torchvision_model

@@ -9,24 +9,13 @@ own, which the option's yaml names in its defaults (`/schema/parallel/ddp@_here_
 
 from __future__ import annotations
 
-import functools
-import math
-import os
-import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from hydra.utils import get_class
-from omegaconf import MISSING, OmegaConf
-from omegaconf.errors import InterpolationResolutionError
+from omegaconf import MISSING
 
-from hydraloop.errors import ConfigError
-from hydraloop.resolvers import ARITHMETIC_AND_DATA
-
-PRECISIONS = ("32", "bf16", "fp16")
+from hydraloop.resolvers import register_resolvers
 
 
 @dataclass
@@ -228,207 +217,12 @@ class TrainConfig:
     log_file: str = "${hydra:runtime.output_dir}/${hydra:job.name}.log"
 
 
-def shared_run_path() -> str:
-    """The run folder's path under outputs/, `DATE/TIME`, the same in every process of one job.
-
-    Started by plain `python`, only the launching process runs Hydra: the time is enough. Under torchrun every
-    rank runs Hydra itself, and `${now:...}` would differ between ranks (and nodes) that start in different
-    seconds, so the ranks agree through the elastic agent's key-value store: the first rank to ask sets the name,
-    the others read it. The store outlives worker restarts (`--max-restarts`), so a restarted job finds its own
-    folder again. Tasks that SLURM starts directly share the job id.
-    """
-    name = time.strftime("%Y-%m-%d/%H-%M-%S")
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        from torch.distributed import TCPStore  # only here: importing torch.distributed costs start-up time
-
-        store = TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(minutes=5)
-        )
-        return store.compare_set("hydraloop/run_name", "", name).decode()
-    if os.environ.get("SLURM_JOB_ID"):
-        return time.strftime(f"%Y-%m-%d/slurm-{os.environ['SLURM_JOB_ID']}")
-    return name
-
-
-def rank_zero_only(value: Any) -> Any:
-    """`value` in rank 0 (or a process that is not a rank), null elsewhere: for Hydra's `.hydra/` subfolder, which
-    every rank would otherwise write into the shared run folder. Hydra resolves it before `main` runs, so before
-    hydraloop.parallel.cluster sets RANK in a submitit task: there the task's own rank variables tell."""
-    for key in ("RANK", "SLURM_PROCID", "SUBMITIT_LOCAL_GLOBALID"):
-        if key in os.environ:
-            return value if os.environ[key] == "0" else None
-    return value
-
-
-def run_owner_only(value: Any) -> Any:
-    """`value` in the process that will own the run directory, null elsewhere: for Hydra's `.hydra` subfolder,
-    which Hydra writes before `main` runs. That process is rank 0 (see rank_zero_only), when the directory can be
-    written and no other live run holds it (hydraloop.run_lock): a run refused at start leaves the owner's `.hydra`
-    alone."""
-    from hydra.core.hydra_config import HydraConfig
-
-    from hydraloop.run_lock import may_own
-
-    value = rank_zero_only(value)
-    if value is None or not HydraConfig.initialized():
-        return value
-    return value if may_own(HydraConfig.get().runtime.output_dir) else None
-
-
-class ResolverConfigError(InterpolationResolutionError, ConfigError):
-    """A ConfigError raised by a resolver. OmegaConf passes its own errors through as they are, where it would wrap
-    any other in a message of several lines and drop the cause: so this one still ends the run as one line."""
-
-    _initialized = True  # tells OmegaConf's error formatting that the message is complete
-
-
-def _reporting_config_errors(resolver: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(resolver)
-    def resolve(*args: Any) -> Any:
-        try:
-            return resolver(*args)
-        except ConfigError as error:
-            raise ResolverConfigError(str(error)) from None
-
-    return resolve
-
-
 def register_configs() -> None:
-    """The schemas, and the resolvers: `${sweep_direction:max}` -> maximize (for sweepers), `${shared_run_path:}`,
-    `${rank_zero_only:value}`, `${run_owner_only:value}`, `${default_metric:<task class>}`,
-    `${metric_mode:<task class>,<metric>}`, data=text's `${text_vocab:path,level}` and `${text_vocab_size:vocab}`,
-    `${image_folder_classes:root}`, `${linear_scaling:0.1,256,${data.batch_size}}`, `${resize_for_center_crop:224}`."""
-    from hydraloop.data import text  # here, not at the top: the module imports torch and numpy
-
-    for name, resolver in (("text_vocab", text.text_vocab), ("text_vocab_size", text.vocab_size)):
-        if not OmegaConf.has_resolver(name):
-            OmegaConf.register_new_resolver(name, _reporting_config_errors(resolver))
-    if not OmegaConf.has_resolver("sweep_direction"):
-        OmegaConf.register_new_resolver("sweep_direction", lambda mode: {"max": "maximize", "min": "minimize"}[mode])
-    if not OmegaConf.has_resolver("shared_run_path"):
-        OmegaConf.register_new_resolver("shared_run_path", shared_run_path, use_cache=True)
-    if not OmegaConf.has_resolver("rank_zero_only"):
-        OmegaConf.register_new_resolver("rank_zero_only", rank_zero_only)
-    if not OmegaConf.has_resolver("run_owner_only"):
-        OmegaConf.register_new_resolver("run_owner_only", run_owner_only)
-    if not OmegaConf.has_resolver("default_metric"):
-        OmegaConf.register_new_resolver("default_metric", lambda task: get_class(task).default_metric)
-    if not OmegaConf.has_resolver("metric_mode"):
-        # An unknown metric gets a placeholder here: check_task names the valid ones in one line.
-        OmegaConf.register_new_resolver("metric_mode", lambda task, metric: get_class(task).metrics.get(metric, "max"))
-    for name, resolver in ARITHMETIC_AND_DATA.items():
-        if not OmegaConf.has_resolver(name):
-            OmegaConf.register_new_resolver(name, resolver)
+    """The schemas in Hydra's ConfigStore, and the resolvers the yaml files use (hydraloop.resolvers)."""
+    register_resolvers()
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
     cs.store(group="schema/parallel", name="single", node=SingleConfig)
     cs.store(group="schema/parallel", name="dataparallel", node=DataParallelConfig)
     cs.store(group="schema/parallel", name="ddp", node=DDPConfig)
     cs.store(group="schema/parallel", name="fsdp", node=FSDPConfig)
-
-
-def check_config(cfg: Any, world_size: int) -> None:
-    """What the schema's types cannot say: ranges, and how the global batch splits over `world_size` ranks."""
-    _require(cfg.mode in ("train", "eval", "predict"), f"mode={cfg.mode}: must be train, eval or predict")
-    purpose = {"eval": "evaluate", "predict": "predict with"}.get(cfg.mode)
-    _require(cfg.mode == "train" or cfg.ckpt_path, f"mode={cfg.mode}: needs ckpt_path=<checkpoint to {purpose}>")
-    _require(
-        cfg.mode != "predict" or cfg.data.predict_path,
-        "mode=predict: needs data.predict_path=<.npz or .pt file holding x, the inputs>",
-    )
-    _require(cfg.seed >= 0, f"seed={cfg.seed}: must be non-negative")
-    batch_size = cfg.data.batch_size
-    _require(batch_size > 0, f"data.batch_size={batch_size}: must be positive")
-    _require(
-        batch_size % world_size == 0,
-        f"data.batch_size={batch_size}: not divisible by the world size {world_size} "
-        "(it is the global batch, split evenly over the ranks)",
-    )
-    workers = cfg.data.num_workers
-    _require(
-        workers == "auto" or isinstance(workers, int) and not isinstance(workers, bool) and workers >= 0,
-        f"data.num_workers={workers}: must be a number of worker processes (0 or more) or auto",
-    )
-    val_batch_size = cfg.data.val_batch_size
-    _require(val_batch_size is None or val_batch_size > 0, f"data.val_batch_size={val_batch_size}: must be positive")
-    _require(cfg.trainer.max_epochs > 0, f"trainer.max_epochs={cfg.trainer.max_epochs}: must be positive")
-    for key in ("max_steps", "val_every_n_steps", "ckpt_every_n_steps", "peak_tflops", "early_stopping.patience"):
-        value = OmegaConf.select(cfg.trainer, key)
-        _require(value is None or value > 0, f"trainer.{key}={value}: must be positive, or null")
-    min_delta = cfg.trainer.early_stopping.min_delta
-    _require(min_delta >= 0, f"trainer.early_stopping.min_delta={min_delta}: must be at least 0")
-    _require(
-        not cfg.trainer.eval_best or cfg.trainer.save_checkpoints,
-        "trainer.eval_best=true: needs trainer.save_checkpoints=true, for checkpoints/best.pt",
-    )
-    _require(
-        cfg.trainer.log_every_n_steps > 0,
-        f"trainer.log_every_n_steps={cfg.trainer.log_every_n_steps}: must be positive",
-    )
-    accum = cfg.trainer.grad_accum_steps
-    _require(accum > 0, f"trainer.grad_accum_steps={accum}: must be positive")
-    _require(
-        batch_size % (world_size * accum) == 0,
-        f"trainer.grad_accum_steps={accum}: data.batch_size={batch_size} does not split into {world_size} rank(s) "
-        f"x {accum} equal micro-batches",
-    )
-    keep = cfg.trainer.keep_last_k
-    _require(keep >= 1, f"trainer.keep_last_k={keep}: must be at least 1 (the newest checkpoint is one of them)")
-    nonfinite = cfg.trainer.nonfinite_loss
-    _require(nonfinite in ("stop", "skip"), f"trainer.nonfinite_loss={nonfinite}: must be stop or skip")
-    precision = str(cfg.trainer.precision)
-    _require(precision in PRECISIONS, f"trainer.precision={precision}: must be one of {', '.join(PRECISIONS)}")
-    for key in ("limit_train_batches", "limit_val_batches"):
-        limit = cfg.trainer[key]
-        _require(limit is None or limit > 0, f"trainer.{key}={limit}: must be positive, or null for no limit")
-    clip = cfg.trainer.grad_clip_norm
-    _require(clip is None or clip > 0, f"trainer.grad_clip_norm={clip}: must be positive, or null for no clipping")
-    lr = cfg.optimizer.get("lr")
-    _require(
-        isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0 < lr < math.inf,
-        f"optimizer.lr={lr}: must be a positive finite number",
-    )
-    mode = cfg.optimized_metric_mode
-    _require(mode in ("max", "min"), f"optimized_metric_mode={mode}: must be max or min")
-    _check_folds(cfg.data)
-
-
-def _check_folds(data: Any) -> None:
-    num_folds, fold = data.num_folds, data.fold
-    if num_folds is None:
-        _require(fold == 0, f"data.fold={fold}: needs data.num_folds (k-fold cross-validation)")
-        return
-    _require(num_folds >= 2, f"data.num_folds={num_folds}: must be at least 2, or null for no k-fold")
-    _require(0 <= fold < num_folds, f"data.fold={fold}: must be in [0, data.num_folds={num_folds})")
-    _require(
-        "num_folds" in data.dataset,
-        f"data.num_folds={num_folds}: the data set {data.dataset.get('_target_')} takes no num_folds "
-        "(see hydraloop.data.folds for how the in-memory data sets do k-fold)",
-    )
-
-
-def check_task(cfg: Any, task: Any) -> None:
-    """The task fits the data and model, and reports `optimized_metric`."""
-    task.check(cfg)
-    metric, reported = cfg.optimized_metric, task.reported_metrics()
-    _require(metric in reported, f"optimized_metric={metric}: the task reports {', '.join(reported)}")
-
-
-def check_required(cfg: Any) -> None:
-    """`???` in a yaml marks a value the user must give, e.g. data=tensors's data.dataset.path."""
-    missing = list(_missing_paths(OmegaConf.to_container(cfg, resolve=False)))  # interpolations stay text
-    if missing:
-        raise ConfigError(f"{', '.join(missing)}: required; set it on the command line, e.g. {missing[0]}=...")
-
-
-def _missing_paths(node: Any, prefix: str = "") -> Iterator[str]:
-    if isinstance(node, (dict, list)):
-        for key, value in node.items() if isinstance(node, dict) else enumerate(node):
-            yield from _missing_paths(value, f"{prefix}{key}.")
-    elif node == "???":
-        yield prefix.rstrip(".")
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)

@@ -1,8 +1,18 @@
-"""Resolvers that yaml files compute values with, registered by hydraloop.config.register_configs. The config is
-resolved once, in the launcher: the ranks get plain values."""
+"""The resolvers the yaml files use (`${name:...}`), registered by `register_resolvers`. The config is resolved
+once, in the launcher: the ranks get plain values."""
 
+import functools
+import os
+import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
+
+from hydra.utils import get_class
+from omegaconf import OmegaConf
+from omegaconf.errors import InterpolationResolutionError
+
+from hydraloop.errors import ConfigError
 
 
 def image_folder_classes(root: str) -> int:
@@ -25,8 +35,93 @@ def resize_for_center_crop(crop_size: int) -> int:
     return round(crop_size * 256 / 224)
 
 
-ARITHMETIC_AND_DATA: dict[str, Callable[..., Any]] = {
-    "image_folder_classes": image_folder_classes,
-    "linear_scaling": linear_scaling,
-    "resize_for_center_crop": resize_for_center_crop,
-}
+def shared_run_path() -> str:
+    """The run folder's path under outputs/, `DATE/TIME`, the same in every process of one job.
+
+    Started by plain `python`, only the launching process runs Hydra: the time is enough. Under torchrun every
+    rank runs Hydra itself, and `${now:...}` would differ between ranks (and nodes) that start in different
+    seconds, so the ranks agree through the elastic agent's key-value store: the first rank to ask sets the name,
+    the others read it. The store outlives worker restarts (`--max-restarts`), so a restarted job finds its own
+    folder again. Tasks that SLURM starts directly share the job id.
+    """
+    name = time.strftime("%Y-%m-%d/%H-%M-%S")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        from torch.distributed import TCPStore  # only here: importing torch.distributed costs start-up time
+
+        store = TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(minutes=5)
+        )
+        return store.compare_set("hydraloop/run_name", "", name).decode()
+    if os.environ.get("SLURM_JOB_ID"):
+        return time.strftime(f"%Y-%m-%d/slurm-{os.environ['SLURM_JOB_ID']}")
+    return name
+
+
+def rank_zero_only(value: Any) -> Any:
+    """`value` in rank 0 (or a process that is not a rank), null elsewhere: for Hydra's `.hydra/` subfolder, which
+    every rank would otherwise write into the shared run folder. Hydra resolves it before `main` runs, so before
+    hydraloop.parallel.cluster sets RANK in a submitit task: there the task's own rank variables tell."""
+    for key in ("RANK", "SLURM_PROCID", "SUBMITIT_LOCAL_GLOBALID"):
+        if key in os.environ:
+            return value if os.environ[key] == "0" else None
+    return value
+
+
+def run_owner_only(value: Any) -> Any:
+    """`value` in the process that will own the run directory, null elsewhere: for Hydra's `.hydra` subfolder,
+    which Hydra writes before `main` runs. That process is rank 0 (see rank_zero_only), when the directory can be
+    written and no other live run holds it (hydraloop.run_lock): a run refused at start leaves the owner's `.hydra`
+    alone."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from hydraloop.run_lock import may_own
+
+    value = rank_zero_only(value)
+    if value is None or not HydraConfig.initialized():
+        return value
+    return value if may_own(HydraConfig.get().runtime.output_dir) else None
+
+
+class ResolverConfigError(InterpolationResolutionError, ConfigError):
+    """A ConfigError raised by a resolver. OmegaConf passes its own errors through as they are, where it would wrap
+    any other in a message of several lines and drop the cause: so this one still ends the run as one line."""
+
+    _initialized = True  # tells OmegaConf's error formatting that the message is complete
+
+
+def _reporting_config_errors(resolver: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(resolver)
+    def resolve(*args: Any) -> Any:
+        try:
+            return resolver(*args)
+        except ConfigError as error:
+            raise ResolverConfigError(str(error)) from None
+
+    return resolve
+
+
+def register_resolvers() -> None:
+    """`${sweep_direction:max}` -> maximize (for sweepers), `${shared_run_path:}`, `${rank_zero_only:value}`,
+    `${run_owner_only:value}`, `${default_metric:<task class>}`, `${metric_mode:<task class>,<metric>}`, data=text's
+    `${text_vocab:path,level}` and `${text_vocab_size:vocab}`, `${image_folder_classes:root}`,
+    `${linear_scaling:0.1,256,${data.batch_size}}` and `${resize_for_center_crop:224}`."""
+    from hydraloop.data import text  # here, not at the top: the module imports torch and numpy
+
+    resolvers: dict[str, Callable[..., Any]] = {
+        "sweep_direction": lambda mode: {"max": "maximize", "min": "minimize"}[mode],
+        "rank_zero_only": rank_zero_only,
+        "run_owner_only": run_owner_only,
+        "default_metric": lambda task: get_class(task).default_metric,
+        # An unknown metric gets a placeholder here: check_task names the valid ones in one line.
+        "metric_mode": lambda task, metric: get_class(task).metrics.get(metric, "max"),
+        "text_vocab": _reporting_config_errors(text.text_vocab),
+        "text_vocab_size": _reporting_config_errors(text.vocab_size),
+        "image_folder_classes": image_folder_classes,
+        "linear_scaling": linear_scaling,
+        "resize_for_center_crop": resize_for_center_crop,
+    }
+    for name, resolver in resolvers.items():
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, resolver)
+    if not OmegaConf.has_resolver("shared_run_path"):
+        OmegaConf.register_new_resolver("shared_run_path", shared_run_path, use_cache=True)

@@ -3,7 +3,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from hydraloop.data.cache import cached_arrays
-from hydraloop.data.folds import fold_split
+from hydraloop.data.folds import train_val_split
 
 
 def load_diabetes(
@@ -25,12 +25,7 @@ def load_diabetes(
     arrays = cached_arrays("sklearn_diabetes", _from_sklearn, cache_dir)  # importing sklearn costs ~1 s per run
     x = torch.tensor(arrays["data"], dtype=torch.float64)
     y = torch.tensor(arrays["target"], dtype=torch.float64)
-    if num_folds is not None:
-        train, val = fold_split(y, num_folds, fold, split_seed)
-    else:
-        order = torch.from_numpy(np.random.default_rng(split_seed).permutation(len(y)))
-        num_val = int(round(len(y) * val_fraction))
-        val, train = order[:num_val], order[num_val:]
+    train, val = train_val_split(y, val_fraction, split_seed, num_folds, fold)
     if standardize:
         x = (x - x[train].mean(dim=0)) / x[train].std(dim=0)
         y = (y - y[train].mean()) / y[train].std()

@@ -3,7 +3,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from hydraloop.data.cache import cached_arrays
-from hydraloop.data.folds import fold_split
+from hydraloop.data.folds import train_val_split
 
 
 def load_digits(
@@ -19,12 +19,7 @@ def load_digits(
     arrays = cached_arrays("sklearn_digits", _from_sklearn, cache_dir)  # importing sklearn costs ~1 s per run
     x = torch.tensor(arrays["images"] / 16.0, dtype=torch.float32).unsqueeze(1)
     y = torch.tensor(arrays["target"], dtype=torch.long)
-    if num_folds is not None:
-        train, val = fold_split(y, num_folds, fold, split_seed)
-    else:
-        order = torch.from_numpy(np.random.default_rng(split_seed).permutation(len(y)))
-        num_val = int(round(len(y) * val_fraction))
-        val, train = order[:num_val], order[num_val:]
+    train, val = train_val_split(y, val_fraction, split_seed, num_folds, fold)
     return TensorDataset(x[train], y[train]), TensorDataset(x[val], y[val])
 
 

@@ -14,6 +14,18 @@ import torch
 from hydraloop.errors import ConfigError
 
 
+def train_val_split(
+    labels: torch.Tensor, val_fraction: float, split_seed: int, num_folds: int | None = None, fold: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, val) indices: fold `fold` of `num_folds` when k-fold is on, else a random `val_fraction` of the
+    samples; either way fixed by `split_seed` alone."""
+    if num_folds is not None:
+        return fold_split(labels, num_folds, fold, split_seed)
+    order = torch.from_numpy(np.random.default_rng(split_seed).permutation(len(labels)))
+    num_val = int(round(len(labels) * val_fraction))
+    return order[num_val:], order[:num_val]
+
+
 def fold_split(labels: torch.Tensor, num_folds: int, fold: int, split_seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(train, val) indices into `labels` for fold `fold` of `num_folds`, both in ascending order.
 

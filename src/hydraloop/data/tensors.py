@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from hydraloop.data.folds import fold_split
+from hydraloop.data.folds import train_val_split
 from hydraloop.errors import ConfigError
 
 SUFFIXES = (".npz", ".pt")
@@ -65,23 +65,18 @@ def load_tensors(
             )
         x_val, y_val = _checked(arrays, x_val_key, y_val_key, input_shape, num_classes, targets, where)
         return TensorDataset(x, y), TensorDataset(x_val, y_val)
-    if num_folds is not None:
-        train, val = fold_split(y, num_folds, fold, split_seed)
-        return TensorDataset(x[train], y[train]), TensorDataset(x[val], y[val])
-
-    if not 0 < val_fraction < 1:
+    if num_folds is None and not 0 < val_fraction < 1:
         raise ConfigError(
             f"data.dataset.val_fraction={val_fraction}: must be between 0 and 1 (exclusive), "
             f"or give '{x_val_key}' and '{y_val_key}' in the file"
         )
     num_val = int(round(len(y) * val_fraction))
-    if not 0 < num_val < len(y):
+    if num_folds is None and not 0 < num_val < len(y):
         raise ConfigError(
             f"data.dataset.val_fraction={val_fraction}: leaves {num_val} of {len(y)} samples for validation "
             f"and {len(y) - num_val} for training; both need at least one"
         )
-    order = torch.from_numpy(np.random.default_rng(split_seed).permutation(len(y)))
-    val, train = order[:num_val], order[num_val:]
+    train, val = train_val_split(y, val_fraction, split_seed, num_folds, fold)
     return TensorDataset(x[train], y[train]), TensorDataset(x[val], y[val])
 
 

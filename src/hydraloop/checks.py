@@ -1,0 +1,120 @@
+"""What the schema's types cannot say, checked in the launcher before any rank starts: ranges, how the global batch
+splits over the ranks, k-fold settings, the task's fit to data and model, and required values. A failed check is a
+ConfigError: one line naming the key and the value, exit 2."""
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from hydraloop.errors import ConfigError
+
+PRECISIONS = ("32", "bf16", "fp16")
+
+
+def check_config(cfg: Any, world_size: int) -> None:
+    """What the schema's types cannot say: ranges, and how the global batch splits over `world_size` ranks."""
+    _require(cfg.mode in ("train", "eval", "predict"), f"mode={cfg.mode}: must be train, eval or predict")
+    purpose = {"eval": "evaluate", "predict": "predict with"}.get(cfg.mode)
+    _require(cfg.mode == "train" or cfg.ckpt_path, f"mode={cfg.mode}: needs ckpt_path=<checkpoint to {purpose}>")
+    _require(
+        cfg.mode != "predict" or cfg.data.predict_path,
+        "mode=predict: needs data.predict_path=<.npz or .pt file holding x, the inputs>",
+    )
+    _require(cfg.seed >= 0, f"seed={cfg.seed}: must be non-negative")
+    batch_size = cfg.data.batch_size
+    _require(batch_size > 0, f"data.batch_size={batch_size}: must be positive")
+    _require(
+        batch_size % world_size == 0,
+        f"data.batch_size={batch_size}: not divisible by the world size {world_size} "
+        "(it is the global batch, split evenly over the ranks)",
+    )
+    workers = cfg.data.num_workers
+    _require(
+        workers == "auto" or isinstance(workers, int) and not isinstance(workers, bool) and workers >= 0,
+        f"data.num_workers={workers}: must be a number of worker processes (0 or more) or auto",
+    )
+    val_batch_size = cfg.data.val_batch_size
+    _require(val_batch_size is None or val_batch_size > 0, f"data.val_batch_size={val_batch_size}: must be positive")
+    _require(cfg.trainer.max_epochs > 0, f"trainer.max_epochs={cfg.trainer.max_epochs}: must be positive")
+    for key in ("max_steps", "val_every_n_steps", "ckpt_every_n_steps", "peak_tflops", "early_stopping.patience"):
+        value = OmegaConf.select(cfg.trainer, key)
+        _require(value is None or value > 0, f"trainer.{key}={value}: must be positive, or null")
+    min_delta = cfg.trainer.early_stopping.min_delta
+    _require(min_delta >= 0, f"trainer.early_stopping.min_delta={min_delta}: must be at least 0")
+    _require(
+        not cfg.trainer.eval_best or cfg.trainer.save_checkpoints,
+        "trainer.eval_best=true: needs trainer.save_checkpoints=true, for checkpoints/best.pt",
+    )
+    _require(
+        cfg.trainer.log_every_n_steps > 0,
+        f"trainer.log_every_n_steps={cfg.trainer.log_every_n_steps}: must be positive",
+    )
+    accum = cfg.trainer.grad_accum_steps
+    _require(accum > 0, f"trainer.grad_accum_steps={accum}: must be positive")
+    _require(
+        batch_size % (world_size * accum) == 0,
+        f"trainer.grad_accum_steps={accum}: data.batch_size={batch_size} does not split into {world_size} rank(s) "
+        f"x {accum} equal micro-batches",
+    )
+    keep = cfg.trainer.keep_last_k
+    _require(keep >= 1, f"trainer.keep_last_k={keep}: must be at least 1 (the newest checkpoint is one of them)")
+    nonfinite = cfg.trainer.nonfinite_loss
+    _require(nonfinite in ("stop", "skip"), f"trainer.nonfinite_loss={nonfinite}: must be stop or skip")
+    precision = str(cfg.trainer.precision)
+    _require(precision in PRECISIONS, f"trainer.precision={precision}: must be one of {', '.join(PRECISIONS)}")
+    for key in ("limit_train_batches", "limit_val_batches"):
+        limit = cfg.trainer[key]
+        _require(limit is None or limit > 0, f"trainer.{key}={limit}: must be positive, or null for no limit")
+    clip = cfg.trainer.grad_clip_norm
+    _require(clip is None or clip > 0, f"trainer.grad_clip_norm={clip}: must be positive, or null for no clipping")
+    lr = cfg.optimizer.get("lr")
+    _require(
+        isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0 < lr < math.inf,
+        f"optimizer.lr={lr}: must be a positive finite number",
+    )
+    mode = cfg.optimized_metric_mode
+    _require(mode in ("max", "min"), f"optimized_metric_mode={mode}: must be max or min")
+    _check_folds(cfg.data)
+
+
+def _check_folds(data: Any) -> None:
+    num_folds, fold = data.num_folds, data.fold
+    if num_folds is None:
+        _require(fold == 0, f"data.fold={fold}: needs data.num_folds (k-fold cross-validation)")
+        return
+    _require(num_folds >= 2, f"data.num_folds={num_folds}: must be at least 2, or null for no k-fold")
+    _require(0 <= fold < num_folds, f"data.fold={fold}: must be in [0, data.num_folds={num_folds})")
+    _require(
+        "num_folds" in data.dataset,
+        f"data.num_folds={num_folds}: the data set {data.dataset.get('_target_')} takes no num_folds "
+        "(see hydraloop.data.folds for how the in-memory data sets do k-fold)",
+    )
+
+
+def check_task(cfg: Any, task: Any) -> None:
+    """The task fits the data and model, and reports `optimized_metric`."""
+    task.check(cfg)
+    metric, reported = cfg.optimized_metric, task.reported_metrics()
+    _require(metric in reported, f"optimized_metric={metric}: the task reports {', '.join(reported)}")
+
+
+def check_required(cfg: Any) -> None:
+    """`???` in a yaml marks a value the user must give, e.g. data=tensors's data.dataset.path."""
+    missing = list(_missing_paths(OmegaConf.to_container(cfg, resolve=False)))  # interpolations stay text
+    if missing:
+        raise ConfigError(f"{', '.join(missing)}: required; set it on the command line, e.g. {missing[0]}=...")
+
+
+def _missing_paths(node: Any, prefix: str = "") -> Iterator[str]:
+    if isinstance(node, (dict, list)):
+        for key, value in node.items() if isinstance(node, dict) else enumerate(node):
+            yield from _missing_paths(value, f"{prefix}{key}.")
+    elif node == "???":
+        yield prefix.rstrip(".")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
