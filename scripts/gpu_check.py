@@ -5,7 +5,7 @@ lent for a few minutes, offline, with a CUDA PyTorch already installed.
 2. tests: tests/test_cuda.py (the CUDA sync-count test among them) and tests/test_device_paths.py;
 3. benchmark: scripts/benchmark.py in fp32 (loop, start-up, strategies) and bf16 (loop);
 4. runs: whole MNIST-1D CNN trainings: single in fp32 and bf16 with compile off and on, dataparallel, ddp and fsdp
-   with as many ranks as there are GPUs (at most 2).
+   with as many ranks as there are GPUs (at most 2); and experiment=text_gpt in bf16, compiled: tokens/s and MFU.
 
 Every step gets what is left of `--budget-s`; one that fails or runs out of time does not stop the others. Writes
 OUT/gpu_check.json (everything) beside OUT/gpu_check.log (all the output), prints a short table, and exits 1 when
@@ -13,6 +13,7 @@ something failed. `--device cpu` runs every step on the CPU: a dry run of the sc
 """
 
 import argparse
+import csv
 import json
 import os
 import re
@@ -124,6 +125,24 @@ def training_runs(args, steps: Steps, out: Path, env: dict) -> list[dict]:
     return rows
 
 
+def gpt_run(args, steps: Steps, out: Path, env: dict) -> dict:
+    """experiment=text_gpt in bf16, compiled: tokens/s and MFU (against hydraloop.perf's table of GPU peaks) over
+    the last logging intervals, after compilation."""
+    run_dir = out / "runs" / "text_gpt-bf16-compile"
+    command = [sys.executable, "src/train.py", "experiment=text_gpt", f"device={args.device}", "trainer.precision=bf16"]
+    command += ["trainer.compile=true", f"trainer.max_steps={20 if args.device == 'cpu' else 300}", "logger=csv"]
+    command += ["trainer.val_every_n_steps=null", "trainer.save_checkpoints=false", f"hydra.run.dir={run_dir}"]
+    status, _ = steps.run("run text_gpt bf16 compiled", command, limit_s=150, env=env)
+    row: dict = {"status": status}
+    if status == "ok":
+        logged = [r for r in csv.DictReader((run_dir / "metrics.csv").open()) if r.get("perf/tokens_per_sec")][-3:]
+        row["tokens_per_s"] = statistics.median(float(r["perf/tokens_per_sec"]) for r in logged)
+        mfu = [float(r["perf/mfu"]) for r in logged if r.get("perf/mfu")]
+        row["mfu"] = statistics.median(mfu) if mfu else None
+        row["val_loss"] = json.loads((run_dir / "metrics.json").read_text())["val/loss"]
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path, nargs="?", default=REPO / "outputs" / "gpu_check")
@@ -163,6 +182,7 @@ def main() -> None:
             report["benchmark"][precision] = json.loads(json_file.read_text())
 
     report["runs"] = training_runs(args, steps, out, env)
+    report["gpt"] = gpt_run(args, steps, out, env)
     report["steps"], report["failed"] = steps.record, steps.failed
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
     log(summary(report))
@@ -185,6 +205,12 @@ def summary(report: dict) -> str:
         rate, wall, acc = row.get("samples_per_s"), row.get("wall_time_s"), row.get("val_acc")
         figures = f"{rate or 0:>10.0f}{wall:>8.1f}{acc:>8.4f}" if wall is not None else f"{'-':>10}{'-':>8}{'-':>8}"
         lines.append(f"{name:<34}{figures}  {row['status']}")
+    gpt = report["gpt"]
+    if "tokens_per_s" in gpt:
+        mfu = "-" if gpt["mfu"] is None else f"{gpt['mfu']:.1%}"
+        lines.append(
+            f"text_gpt bf16 compiled: {gpt['tokens_per_s']:.0f} tokens/s, MFU {mfu}, val/loss {gpt['val_loss']:.3f}"
+        )
     skipped = [r["step"] for r in report["steps"] if "skipped" in r["status"]]
     lines.append(f"skipped for lack of time: {', '.join(skipped)}" if skipped else "every step ran")
     lines.append(f"FAILED: {'; '.join(report['failed'])}" if report["failed"] else "nothing failed")

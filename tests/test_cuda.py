@@ -103,6 +103,34 @@ def test_mixed_precision_trains_with_finite_losses(run_train, precision):
     assert 0 < run.metrics["train/loss"] < 1 and run.metrics["val/acc"] > 0.9  # float32: ~0.94 after 4 epochs
 
 
+# The character-level GPT with dropout (KeyedDropout's integer hashing on the GPU) and the fused attention kernels.
+TINY_GPT = (
+    f"device={DEVICE}",
+    "experiment=text_gpt",
+    "model.n_layer=2",
+    "model.n_embd=64",
+    "model.dropout=0.2",
+    "trainer.max_steps=20",
+    "trainer.val_every_n_steps=null",
+    "trainer.limit_val_batches=4",
+    "logger=none",
+)
+
+
+def test_gpt_with_dropout_under_ddp_equals_single(run_train):
+    single = run_train(*TINY_GPT)
+    ddp = run_train(*TINY_GPT, "parallel=ddp", f"parallel.nproc_per_node={RANKS}")
+    assert single.returncode == 0 and ddp.returncode == 0, single.output + ddp.output
+    # The fused attention kernels may sum in another order for another batch size: round-off, not masks.
+    assert max_param_diff(ddp.checkpoint()["model"], single.checkpoint()["model"]) < 1e-4
+
+
+def test_gpt_in_bf16_compiled_learns(run_train):
+    run = run_train(*TINY_GPT, "trainer.max_steps=200", "trainer.precision=bf16", "trainer.compile=true", timeout=400)
+    assert run.returncode == 0, run.output
+    assert run.metrics["val/loss"] < 3.3  # the unigram entropy of the text: it has learnt context
+
+
 def test_compiled_model_trains_like_the_plain_one(run_train, single):
     compiled = run_train(*COMMON, "trainer.compile=true", "trainer.max_epochs=2", timeout=400)
     assert compiled.returncode == 0, compiled.output
