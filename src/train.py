@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hydraloop.backends import configure_backends
 from hydraloop.checkpoint import TrainState, check_resumable, checkpoint_to_resume, resume
-from hydraloop.checks import check_config, check_required, check_task
+from hydraloop.checks import check_config, check_group_options, check_required, check_task
 from hydraloop.config import register_configs
 from hydraloop.data.loaders import build_loaders
 from hydraloop.errors import (
@@ -48,7 +48,7 @@ from hydraloop.perf import Throughput, flops_per_sample, peak_flops
 from hydraloop.precision import Precision
 from hydraloop.predict import load_inputs, predict
 from hydraloop.preemption import StopRequest
-from hydraloop.rank_logging import setup_rank_logging
+from hydraloop.rank_logging import FORMAT, setup_rank_logging
 from hydraloop.run_lock import owned_run_directory
 from hydraloop.run_writer import NullRunWriter, RunWriter
 from hydraloop.seeding import seed_everything
@@ -248,4 +248,9 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
+    # A group option that does not exist (logger=foo) is bad input like any other: one line, exit 2. Hydra would
+    # report it over several lines, exit 1. Hydra's logging replaces this console handler when it starts.
+    logging.basicConfig(format=FORMAT, stream=sys.stdout)
+    with exit_on_error():
+        check_group_options(sys.argv[1:], Path(__file__).resolve().parent.parent / "conf")
     main()

@@ -141,10 +141,22 @@ def test_run_directory_checkpoint_that_does_not_fit(run_train, checkpoint, tmp_p
 # --- Hydra composition ---------------------------------------------------------------------------------------
 
 
-def test_unknown_group_option(run_train, tmp_path):
-    run = run_train("model=transformer", run_dir=tmp_path / "never")
-    assert_rejected_by_hydra(run, "Could not find 'model/transformer'")
-    assert not run.run_dir.exists()
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["model=transformer"],
+            "model=transformer: 'transformer' is not an option of model (cnn, gpt, mlp, torchvision)",
+        ),
+        (["logger=[csv,foo]"], "logger=[csv,foo]: 'foo' is not an option of logger (csv, mlflow, none, tensorboard"),
+        (["+experiment=text_gtp"], "+experiment=text_gtp: 'text_gtp' is not an option of experiment (diabetes_mlp,"),
+        (["-m", "optimizer=adamw,sgdd"], "optimizer=adamw,sgdd: 'sgdd' is not an option of optimizer (adamw, sgd)"),
+    ],
+)
+def test_unknown_group_option(run_train, tmp_path, overrides, message):
+    run = run_train(*overrides, f"hydra.sweep.dir={tmp_path / 'sweep'}", run_dir=tmp_path / "never")
+    assert message in bad_input_line(run)
+    assert not run.run_dir.exists() and not (tmp_path / "sweep").exists()
 
 
 @pytest.mark.parametrize(

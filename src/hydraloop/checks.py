@@ -4,8 +4,12 @@ ConfigError: one line naming the key and the value, exit 2."""
 
 import math
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ChoiceSweep
+from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
 from hydraloop.errors import ConfigError
@@ -118,3 +122,38 @@ def _missing_paths(node: Any, prefix: str = "") -> Iterator[str]:
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
+
+
+def check_group_options(args: list[str], conf_dir: Path) -> None:
+    """`logger=foo` or `-m optimizer=adamw,sgdd`: an option that is not a file of its group in `conf_dir` is one line
+    listing the group's options, exit 2. Run on the command line's overrides before Hydra composes, whose own error for
+    it spans several lines and exits 1. Hydra's groups (hydra/...) and a command line that adds config folders
+    (--config-dir, hydra.searchpath) are left to Hydra, as is anything Hydra's parser rejects."""
+    overrides = [arg for arg in args if "=" in arg and not arg.startswith("-")]
+    if any(arg.startswith(("-cd", "--config-dir")) for arg in args) or any("searchpath" in o for o in overrides):
+        return
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException:
+        return
+    for override in parsed:
+        group = conf_dir / override.key_or_group
+        if override.is_delete() or override.key_or_group.startswith("hydra") or not group.is_dir():
+            continue
+        options = sorted(str(path.relative_to(group).with_suffix("")) for path in group.rglob("*.yaml"))
+        for option in _option_names(override.value()):
+            _require(
+                option in options,
+                f"{override.input_line}: {option!r} is not an option of {override.key_or_group} ({', '.join(options)})",
+            )
+
+
+def _option_names(value: Any) -> Iterator[str]:
+    """The options an override's value names: one, a list (`logger=[csv,wandb]`) or a choice sweep (`a,b`)."""
+    if isinstance(value, ChoiceSweep):
+        value = value.list
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _option_names(item)
+    elif isinstance(value, str):  # null, numbers, globs and ranges: not option names, left to Hydra
+        yield value
