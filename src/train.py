@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hydraloop.backends import configure_backends
 from hydraloop.checkpoint import TrainState, check_resumable, checkpoint_to_resume, resume
-from hydraloop.checks import check_config, check_group_options, check_required, check_task
+from hydraloop.checks import check_config, check_group_options, check_model, check_required, check_task
 from hydraloop.config import register_configs
 from hydraloop.data.loaders import build_loaders
 from hydraloop.errors import (
@@ -234,6 +234,7 @@ def main(cfg: DictConfig) -> float:
                 instantiate(cfg.data.check)
             task = instantiate(cfg.task)
             check_task(cfg, task)
+            check_model(cfg.model)
             if cfg.mode == "predict":  # the file fits the model: before any rank starts
                 load_inputs(cfg.data.predict_path, cfg.data.input_shape, tokens=task.tokens_per_sample is not None)
             strategy.check(cfg)

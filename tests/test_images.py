@@ -111,6 +111,8 @@ def test_named_weights_load_from_the_hub_cache_and_a_new_head_starts_fresh(tmp_p
         )
         == 0.0
     )
+    with torch.device("meta"):  # the launcher's check (checks.check_model): the file is found, nothing is read
+        assert torchvision_model("resnet18", num_classes=10, weights="DEFAULT").fc.weight.is_meta
 
 
 def test_step_schedule_and_the_imagenet_recipe_compose():
@@ -318,6 +320,8 @@ def test_bad_transforms_or_workers(tmp_path, override, expected):
         ("model.weights=DEFAULT", "model.weights=DEFAULT: expected "),
     ],
 )
-def test_bad_torchvision_model(run_train, tmp_path, override, expected):
+def test_bad_torchvision_model_ends_the_run_in_the_launcher(run_train, tmp_path, override, expected):
     root = write_folder(tmp_path / "images", TWO_CLASSES)
-    assert expected in rejected(run_train(*tiny(root, "model=torchvision", override)))
+    run = run_train(*tiny(root, "model=torchvision", "parallel=ddp", override))
+    assert expected in rejected(run)
+    assert "run directory:" not in run.output  # refused before the launch, which logs the config first

@@ -1,18 +1,21 @@
 """What the schema's types cannot say, checked in the launcher before any rank starts: ranges, how the global batch
-splits over the ranks, k-fold settings, the task's fit to data and model, and required values. A failed check is a
-ConfigError: one line naming the key and the value, exit 2."""
+splits over the ranks, k-fold settings, the task's fit to data and model, the model's arguments, required values,
+and the command line's group options. A failed check is a ConfigError: one line naming the key and the value, exit 2.
+"""
 
 import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ChoiceSweep
 from hydra.errors import HydraException
+from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from hydraloop.errors import ConfigError
+from hydraloop.errors import ConfigError, unwrap_instantiation
 
 PRECISIONS = ("32", "bf16", "fp16")
 
@@ -102,6 +105,20 @@ def check_task(cfg: Any, task: Any) -> None:
     task.check(cfg)
     metric, reported = cfg.optimized_metric, task.reported_metrics()
     _require(metric in reported, f"optimized_metric={metric}: the task reports {', '.join(reported)}")
+
+
+def check_model(model: Any) -> None:
+    """The model's own checks of its arguments (an unknown torchvision arch, named weights not in the cache, a GPT's
+    n_embd that does not split into heads), before any rank starts: its constructor, run on the meta device, which
+    allocates nothing. Only bad input is reported here; whatever else a constructor cannot do on the meta device, the
+    ranks meet for real."""
+    try:
+        with torch.device("meta"):
+            instantiate(model)
+    except Exception as error:  # noqa: BLE001  see above
+        cause = unwrap_instantiation(error)
+        if isinstance(cause, ConfigError):
+            raise cause from None
 
 
 def check_required(cfg: Any) -> None:
