@@ -12,6 +12,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from conftest import REPO, free_port
+from hydraloop.checkpoint import step_checkpoint
 from hydraloop.loggers.base import flatten
 from tracking_stores import (
     csv_rows,
@@ -123,6 +124,48 @@ def test_parameter_count(logged):
     run_dir, metrics, _, _ = logged
     weights = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
     assert metrics["model/params"] == sum(tensor.numel() for tensor in weights.values()) == 26122
+
+
+def test_a_resumed_run_continues_each_loggers_run(logged, train_in_process, monkeypatch, tmp_path):
+    """A run that logged past its last checkpoint (a killed run's case) and was resumed: each logger continues its
+    run, with every step once and the uninterrupted run's values."""
+    uninterrupted, _, _, tracking_uri = logged
+    isolate_wandb(monkeypatch, tmp_path)
+    overrides = (*OVERRIDES, f"logger.mlflow.tracking_uri={tracking_uri}", "logger.mlflow.experiment_name=resumed")
+    _, run_dir = train_in_process(*overrides)
+    last = run_dir / "checkpoints" / "last.pt"
+    last.unlink()  # a hard link to step 12's file: replaced, not written through
+    last.hardlink_to(step_checkpoint(last.parent, 6))  # as if killed after logging steps 8 and 12
+    metrics, _ = train_in_process(*overrides, run_dir=run_dir)
+    assert metrics["global_step"] == 12
+
+    timings = ("perf/", "train/samples_per_sec")
+    expected = {name: points for name, points in csv_series(uninterrupted).items() if not name.startswith(timings)}
+    assert [int(row["step"]) for row in csv_rows(run_dir)] == STEPS
+    resumed = csv_series(run_dir)
+    for name, points in expected.items():
+        assert resumed[name] == pytest.approx(points, rel=1e-6), name
+    accumulator, reference = events(run_dir), events(uninterrupted)  # the first run's steps 8 and 12 purged
+    for name in expected:
+        steps_values = [(event.step, event.value) for event in reference.Scalars(name)]
+        assert [(event.step, event.value) for event in accumulator.Scalars(name)] == steps_values, name
+    assert [event.value for event in accumulator.Scalars("model/params")] == [metrics["model/params"]]
+
+    (run,) = mlflow_runs(tracking_uri, "resumed")  # one run, continued
+    assert run.info.status == "FINISHED" and run.data.tags["run_dir"] == str(run_dir)
+    for name, points in expected.items():
+        assert mlflow_history(tracking_uri, run.info.run_id, name) == pytest.approx(points, rel=1e-6), name
+
+    first, second = wandb_runs(run_dir)  # offline, W&B cannot resume: one run id in two folders, in step order
+    assert first.run_id == second.run_id
+    assert [row["_step"] for row in first.history] == STEPS
+    assert [row["_step"] for row in second.history] == [8, 12]
+
+    train_in_process(*overrides, "resume=false", run_dir=run_dir)  # starting over: a new run, the old rows gone
+    assert [int(row["step"]) for row in csv_rows(run_dir)] == STEPS
+    steps = [event.step for event in reference.Scalars("train/loss")]
+    assert [event.step for event in events(run_dir).Scalars("train/loss")] == steps
+    assert len(mlflow_runs(tracking_uri, "resumed")) == 2
 
 
 # --- bad input ---------------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ class WandbRun:
     """An offline run as W&B recorded it: what `wandb sync` would upload."""
 
     path: Path
+    run_id: str = ""
     project: str = ""
     group: str = ""
     tags: list[str] = field(default_factory=list)
@@ -58,7 +59,8 @@ def read_wandb_run(path: Path) -> WandbRun:
         record.ParseFromString(payload)
         kind = record.WhichOneof("record_type")
         if kind == "run":
-            run.project, run.group, run.tags = record.run.project, record.run.run_group, list(record.run.tags)
+            run.run_id, run.project, run.group = record.run.run_id, record.run.project, record.run.run_group
+            run.tags = list(record.run.tags)
             run.config.update(_items(record.run.config.update))
         elif kind == "config":
             run.config.update(_items(record.config.update))

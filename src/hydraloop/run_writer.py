@@ -65,7 +65,7 @@ class RunWriter(NullRunWriter):
         self.start_step = start_step
         self.saved_steps: set[int] = set()
         with self._logger_errors():
-            logger.start(RunInfo(self.run_dir, config, num_params, job or JobInfo(), tuple(val_metrics)))
+            logger.start(RunInfo(self.run_dir, config, num_params, job or JobInfo(), tuple(val_metrics), start_step))
 
     def progress(self, total_steps: int, done_steps: int) -> AbstractContextManager[tqdm]:
         return progress_bar(total_steps, done_steps)

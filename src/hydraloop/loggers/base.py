@@ -55,6 +55,9 @@ class RunInfo:
     job: JobInfo = field(default_factory=JobInfo)
     val_metrics: tuple[str, ...] = ()
     """The names of the validation metrics the task reports (hydraloop.tasks)."""
+    start_step: int = 0
+    """The step this run resumed from; 0 for a fresh start. A logger that finds its earlier run of this directory
+    continues it from there: what the earlier run logged after this step, a killed run's last steps, is redone."""
 
     @property
     def flat_config(self) -> dict[str, Scalar]:

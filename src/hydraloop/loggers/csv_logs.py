@@ -17,15 +17,21 @@ class CSVLogger(NullLogger):
 
     Metrics logged at the same step (a logging step that ends an epoch gives train and validation metrics) share
     one row, so a row is written once the next step begins, or when the run ends. A metric name that appears late
-    (the first validation) rewrites the file once with the wider header. A resumed run appends to the file.
+    (the first validation) rewrites the file once with the wider header. A resumed run keeps the rows up to the step
+    it resumed from and appends to them; a fresh start into the same directory starts the file over.
     """
 
     def start(self, run: RunInfo) -> None:
         self.path = Path(run.run_dir) / "metrics.csv"
         self.columns = ["step"]
-        if self.path.is_file():
+        if self.path.is_file():  # an earlier run of this directory: keep its rows up to where this one resumed
             with self.path.open(newline="") as handle:
-                self.columns = next(csv.reader(handle), None) or self.columns
+                reader = csv.DictReader(handle)
+                rows = [row for row in reader if run.start_step and int(row["step"]) <= run.start_step]
+            if rows:
+                self._rewrite(list(rows[0]), rows)
+            else:
+                self.path.unlink()
         self.row: dict[str, Any] = {}
         atexit.register(self._write_row)  # a run that fails still leaves its last row
 
@@ -51,13 +57,15 @@ class CSVLogger(NullLogger):
                 writer.writeheader()
             writer.writerow(row)
 
-    def _rewrite(self, columns: list[str]) -> None:
-        """The rows so far under a wider header; written to a temporary file and renamed, so never half a file."""
+    def _rewrite(self, columns: list[str], rows: list[dict[str, str]] | None = None) -> None:
+        """`rows` (default: the file's) under the header `columns`; written to a temporary file and renamed, so never
+        half a file."""
         self.columns = columns
-        if not self.path.is_file():
-            return
-        with self.path.open(newline="") as handle:
-            rows = list(csv.DictReader(handle))
+        if rows is None:
+            if not self.path.is_file():
+                return
+            with self.path.open(newline="") as handle:
+                rows = list(csv.DictReader(handle))
         tmp = self.path.with_suffix(".csv.tmp")
         with tmp.open("w", newline="") as handle:
             writer = csv.DictWriter(handle, fieldnames=columns)

@@ -35,15 +35,30 @@ class MLflowLogger(NullLogger):
         self.experiment_name, self.run_name, self.tags = experiment_name, run_name, dict(tags or {})
 
     def start(self, run: RunInfo) -> None:
-        from mlflow.entities import Metric, Param
+        from mlflow.entities import Metric
         from mlflow.tracking import MlflowClient
 
         self.Metric = Metric
         self.client = _client(MlflowClient, self.tracking_uri)
         experiment_id = self._experiment_id(self.experiment_name or run.job.sweep_dir or "Default")
-        tags = {"run_dir": str(Path(run.run_dir).resolve()), **self.tags}
-        self.run_id = self.client.create_run(experiment_id, run_name=self.run_name, tags=tags).info.run_id
+        run_dir = str(Path(run.run_dir).resolve())
+        earlier = self._earlier_run(experiment_id, run_dir) if run.start_step else None
+        if earlier:
+            # A resumed run continues this directory's MLflow run. Its params stay those it started with (MLflow
+            # refuses to change one); a killed run's steps after its last checkpoint are logged again, with the
+            # same values (the resume is exact) but for the timings.
+            self.run_id = earlier
+            self.client.update_run(self.run_id, status="RUNNING")
+        else:
+            tags = {"run_dir": run_dir, **self.tags}
+            self.run_id = self.client.create_run(experiment_id, run_name=self.run_name, tags=tags).info.run_id
         atexit.register(self._end, "FAILED")  # a run that raises is not left RUNNING
+        if not earlier:
+            self._log_params(run)
+
+    def _log_params(self, run: RunInfo) -> None:
+        from mlflow.entities import Param
+
         params = [Param(key, str(value)) for key, value in run.flat_config.items()]
         for start in range(0, len(params), MAX_BATCH):
             self.client.log_batch(self.run_id, params=params[start : start + MAX_BATCH])
@@ -64,6 +79,15 @@ class MLflowLogger(NullLogger):
 
     def _end(self, status: str) -> None:
         self.client.set_terminated(self.run_id, status=status)
+
+    def _earlier_run(self, experiment_id: str, run_dir: str) -> str | None:
+        """The id of the newest run of `run_dir` in the experiment, if any."""
+        if "'" in run_dir:  # not expressible in MLflow's filter syntax
+            return None
+        runs = self.client.search_runs(
+            [experiment_id], f"tags.run_dir = '{run_dir}'", order_by=["attributes.start_time DESC"], max_results=1
+        )
+        return runs[0].info.run_id if runs else None
 
     def _experiment_id(self, name: str) -> str:
         from mlflow.exceptions import MlflowException

@@ -14,12 +14,18 @@ class TensorBoardLogger(NullLogger):
         from torch.utils.tensorboard import SummaryWriter  # ~1 s of imports; only rank 0 pays it
         from torch.utils.tensorboard.summary import hparams as hparams_summary
 
-        self.writer = SummaryWriter(log_dir=str(run.run_dir / "tensorboard"))
+        log_dir = run.run_dir / "tensorboard"
+        continues = run.start_step > 0 and any(log_dir.glob("events.out.tfevents.*"))
+        # An earlier run of this directory: TensorBoard drops what its event files hold from the purge step on, the
+        # steps a killed run logged after its last checkpoint (all of it, for a fresh start into the directory).
+        purge_step = run.start_step + 1 if continues else 0 if log_dir.is_dir() else None
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
         self.val_metrics = run.val_metrics
-        # Indented four spaces: TensorBoard's text plugin renders that as a code block.
-        config_yaml = OmegaConf.to_yaml(run.config)
-        self.writer.add_text("config", "\n".join("    " + line for line in config_yaml.splitlines()))
-        self.writer.add_scalar("model/params", run.num_params, 0)
+        if not continues:
+            # Indented four spaces: TensorBoard's text plugin renders that as a code block.
+            config_yaml = OmegaConf.to_yaml(run.config)
+            self.writer.add_text("config", "\n".join("    " + line for line in config_yaml.splitlines()))
+            self.writer.add_scalar("model/params", run.num_params, 0)
         # The HParams tab's row for this run: its overridden keys (a sweep's varying ones among them), written into
         # the run's own event file. SummaryWriter.add_hparams would write them into a new timestamped sub-run, a
         # second row without the run's scalars (pytorch/pytorch#32651). The metric columns read each run's last

@@ -2,6 +2,11 @@
 
 Without credentials (no WANDB_API_KEY, no `wandb login`) the run is offline: W&B writes it to disk only, which
 works on a cluster without internet, and `wandb sync <run dir>/wandb/offline-run-*` uploads it later.
+
+A resumed run (a restart, a requeue, a rerun after a stop) continues the directory's W&B run. Online, W&B resumes
+the run itself and ignores steps it already holds (a killed run's steps after its last checkpoint, which the resumed
+run recomputes exactly). Offline, W&B cannot resume (wandb/wandb#4624): the resumed part is a second offline folder
+with the same run id, uploaded after the first with `wandb sync --append`.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 import netrc
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -34,7 +40,13 @@ class WandbLogger(NullLogger):
     def start(self, run: RunInfo) -> None:
         import wandb
 
+        # A resumed run continues this directory's earlier W&B run: the one wandb/latest-run links to, which holds
+        # its records as run-<id>.wandb.
+        records = sorted((Path(run.run_dir) / "wandb" / "latest-run").glob("run-*.wandb")) if run.start_step else []
+        earlier = records[0].stem.removeprefix("run-") if records else None
         self.run = wandb.init(
+            id=earlier,
+            resume="allow" if earlier else None,
             project=self.project,
             entity=self.entity,
             group=self.group or run.job.sweep_dir,
