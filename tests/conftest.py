@@ -46,6 +46,9 @@ def data_cache(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def train_env(data_cache) -> dict[str, str]:
     env = dict(os.environ)
+    # Set by an in-process W&B run (test_loggers.py): a job would log through this process's W&B service, which
+    # writes on after the job has exited.
+    env.pop("WANDB_SERVICE", None)
     env["XDG_CACHE_HOME"] = str(data_cache)
     env["HYDRA_FULL_ERROR"] = "0"
     # Fault-injection models live in tests/; workers import them by module path.

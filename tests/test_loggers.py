@@ -3,6 +3,8 @@ final metrics, parameter count, run directory), read back through each tool's ow
 one line before training."""
 
 import json
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -11,7 +13,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from conftest import REPO, free_port
+from conftest import REPO, free_port, wait_for
 from hydraloop.checkpoint import step_checkpoint
 from hydraloop.loggers.base import flatten
 from tracking_stores import (
@@ -166,6 +168,41 @@ def test_a_resumed_run_continues_each_loggers_run(logged, train_in_process, monk
     steps = [event.step for event in reference.Scalars("train/loss")]
     assert [event.step for event in events(run_dir).Scalars("train/loss")] == steps
     assert len(mlflow_runs(tracking_uri, "resumed")) == 2
+
+
+@pytest.mark.slow
+def test_a_stop_signal_marks_the_run_preempted_and_the_rerun_finishes_it(logged, train_env, tmp_path):
+    uninterrupted, _, _, tracking_uri = logged
+    env = {**train_env, "WANDB_MODE": "offline", "WANDB_CONFIG_DIR": str(tmp_path), "WANDB_CACHE_DIR": str(tmp_path)}
+    command = [
+        sys.executable,
+        str(REPO / "src" / "train.py"),
+        f"hydra.run.dir={tmp_path / 'run'}",
+        *(override for override in OVERRIDES if not override.startswith("logger.wandb.tags")),
+        f"logger.mlflow.tracking_uri={tracking_uri}",
+        "logger.mlflow.experiment_name=stopped",
+        "model._target_=tests.faults.PausingMLP",
+        f"+model.pause_file={tmp_path / 'paused'}",
+        "+model.fail_rank=0",
+        "+model.fail_at_step=3",
+    ]
+    job = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for(tmp_path / "paused", job)  # inside step 3: the run stops after the logging step 4
+    job.send_signal(signal.SIGTERM)
+    assert job.wait(timeout=120) == 128 + signal.SIGTERM, job.communicate()[0]
+    (run,) = mlflow_runs(tracking_uri, "stopped")
+    assert run.info.status == "KILLED"
+    (stopped,) = wandb_runs(tmp_path / "run")
+    assert stopped.preempting and [row["_step"] for row in stopped.history] == [4]
+    assert [int(row["step"]) for row in csv_rows(tmp_path / "run")] == [4]
+
+    rerun = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    (run,) = mlflow_runs(tracking_uri, "stopped")
+    assert run.info.status == "FINISHED"
+    assert [int(row["step"]) for row in csv_rows(tmp_path / "run")] == STEPS
+    first, second = wandb_runs(tmp_path / "run")
+    assert first.run_id == second.run_id and not second.preempting
 
 
 # --- bad input ---------------------------------------------------------------------------------------------------

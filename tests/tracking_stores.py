@@ -42,6 +42,7 @@ class WandbRun:
     config: dict = field(default_factory=dict)
     history: list[dict] = field(default_factory=list)  # one dict per committed step, with "_step"
     summary: dict = field(default_factory=dict)
+    preempting: bool = False  # marked preempted (wandb's run.mark_preempting)
 
 
 def wandb_runs(run_dir: Path) -> list[WandbRun]:
@@ -68,6 +69,8 @@ def read_wandb_run(path: Path) -> WandbRun:
             run.history.append(_items(record.history.item))
         elif kind == "summary":
             run.summary.update(_items(record.summary.update))
+        elif kind == "preempting":
+            run.preempting = True
     run.config.pop("_wandb", None)
     return run
 

@@ -34,6 +34,9 @@ class NullRunWriter:
     def save_checkpoint(self, make_state: Callable[[], dict[str, Any]], is_best: bool) -> None:
         pass
 
+    def interrupted(self) -> None:
+        pass
+
     def finish(self, metrics: dict[str, Any]) -> None:
         pass
 
@@ -102,6 +105,11 @@ class RunWriter(NullRunWriter):
         line = sorted(step for step in found if step <= self.start_step or step in self.saved_steps)
         for step in found.keys() - set(line[-self.keep_last_k :]):
             remove(found[step])
+
+    def interrupted(self) -> None:
+        """A stop signal ends the run after its checkpoint: the loggers mark their runs preempted."""
+        with self._logger_errors():
+            self.logger.interrupted()
 
     def finish(self, metrics: dict[str, Any]) -> None:
         """Final metrics: to the loggers, and as metrics.json (written atomically)."""

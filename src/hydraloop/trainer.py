@@ -9,7 +9,7 @@ import math
 import operator
 import time
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor, nn
@@ -126,8 +126,7 @@ class Trainer:
                 state.next_epoch()
                 val_metrics = self.validate_and_save(state, {"train/epoch_loss": train_loss})
                 if self.stop_signum:
-                    log.info("stopping after epoch %d", state.epoch)
-                    raise Interrupted(self.stop_signum, f"after epoch {state.epoch}: {self._resume_hint()}")
+                    self._stop(f"after epoch {state.epoch}")
             if self.validated_at != state.global_step:  # ended mid-epoch, or resumed with nothing left to train
                 trained = train_loss is not None
                 val_metrics = self.validate_and_save(state, save=trained and self.saved_at != state.global_step)
@@ -176,6 +175,12 @@ class Trainer:
         start = time.perf_counter()
         metrics = self.evaluate(val_loader)
         return {**self._summary(metrics, state), "wall_time_s": time.perf_counter() - start}
+
+    def _stop(self, where: str) -> NoReturn:
+        """Ends the run on a stop signal, after its checkpoint; the loggers mark their runs preempted, not failed."""
+        log.info("stopping %s", where)  # the launcher of spawned ranks reports only the signal
+        self.writer.interrupted()
+        raise Interrupted(self.stop_signum, f"{where}: {self._resume_hint()}")
 
     def _resume_hint(self) -> str:
         if not self.save_checkpoints:
@@ -251,9 +256,7 @@ class Trainer:
         else:
             self.save_checkpoint(state, {}, is_best=False)
         if self.stop_signum:
-            where = f"after step {at} (epoch {state.epoch + 1}, step {state.epoch_step} of {steps})"
-            log.info("stopping %s", where)  # the launcher of spawned ranks reports only the signal
-            raise Interrupted(self.stop_signum, f"{where}: {self._resume_hint()}")
+            self._stop(f"after step {at} (epoch {state.epoch + 1}, step {state.epoch_step} of {steps})")
 
     def train_step(self, inputs: Tensor, targets: Tensor, step: int) -> Tensor | None:
         """Optimizer step `step` (counted from 0) over this rank's batch, in `grad_accum_steps` micro-batches; returns

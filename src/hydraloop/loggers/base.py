@@ -79,6 +79,10 @@ class NullLogger:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         pass
 
+    def interrupted(self) -> None:
+        """A stop signal ends the run after a checkpoint, and a rerun will continue it: written out, and marked
+        preempted where the tracker has such a state."""
+
     def finish(self, metrics: dict[str, Any]) -> None:
         """The final metrics (those of metrics.json); then closes the run."""
 
@@ -96,6 +100,10 @@ class LoggerGroup(NullLogger):
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         for logger in self.loggers:
             logger.log_metrics(metrics, step)
+
+    def interrupted(self) -> None:
+        for logger in self.loggers:
+            logger.interrupted()
 
     def finish(self, metrics: dict[str, Any]) -> None:
         for logger in self.loggers:

@@ -40,6 +40,9 @@ class CSVLogger(NullLogger):
             self._write_row()
         self.row.update(metrics, step=step)
 
+    def interrupted(self) -> None:
+        self._write_row()
+
     def finish(self, metrics: dict[str, Any]) -> None:
         self._write_row()
         atexit.unregister(self._write_row)

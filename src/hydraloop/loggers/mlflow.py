@@ -69,6 +69,10 @@ class MLflowLogger(NullLogger):
         entries = [self.Metric(key, float(value), timestamp, step) for key, value in metrics.items()]
         self.client.log_batch(self.run_id, metrics=entries)
 
+    def interrupted(self) -> None:
+        self._end("KILLED")  # MLflow's state for a run stopped from outside; the rerun sets it RUNNING again
+        atexit.unregister(self._end)
+
     def finish(self, metrics: dict[str, Any]) -> None:
         # Under their own prefix: metrics.json's train/loss (the last epoch's mean) is not the last point of the
         # train/loss series (a logging interval's mean).

@@ -40,6 +40,9 @@ class TensorBoardLogger(NullLogger):
         for name, value in metrics.items():
             self.writer.add_scalar(name, value, step)
 
+    def interrupted(self) -> None:
+        self.writer.flush()
+
     def finish(self, metrics: dict[str, Any]) -> None:
         # The final validation metrics at the last step as well: a `mode=eval` run logged none before.
         step = metrics.get("global_step", 0)

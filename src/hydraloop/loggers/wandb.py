@@ -65,6 +65,9 @@ class WandbLogger(NullLogger):
         # Calls with the same step (train and validation metrics at an epoch's last step) fill one history row.
         self.run.log(metrics, step=step)
 
+    def interrupted(self) -> None:
+        self.run.mark_preempting()  # shown as preempted, not crashed, when the process exits non-zero
+
     def finish(self, metrics: dict[str, Any]) -> None:
         self.run.log({}, commit=True)  # the last row first: written later, it would overwrite the summary below
         self.run.summary.update(metrics)
