@@ -5,8 +5,11 @@ import shutil
 
 import pytest
 import torch
+from hydra.core.config_store import ConfigStore
 
-from conftest import bad_input_line
+from conftest import REPO, bad_input_line
+from hydraloop.checks import check_group_options
+from hydraloop.errors import ConfigError
 
 HYDRA_EXIT_CODE = 1  # Hydra's own composition errors
 HALF_WRITTEN = ("checkpoints", "metrics.json", "tensorboard")
@@ -157,6 +160,13 @@ def test_unknown_group_option(run_train, tmp_path, overrides, message):
     run = run_train(*overrides, f"hydra.sweep.dir={tmp_path / 'sweep'}", run_dir=tmp_path / "never")
     assert message in bad_input_line(run)
     assert not run.run_dir.exists() and not (tmp_path / "sweep").exists()
+
+
+def test_a_group_option_registered_in_python_is_an_option():
+    ConfigStore.instance().store(group="model", name="registered_in_python", node={"_target_": "my.Model"})
+    check_group_options(["-m", "model=mlp,registered_in_python"], REPO / "conf")
+    with pytest.raises(ConfigError, match="'registered_in_pyton' is not an option of model"):
+        check_group_options(["model=registered_in_pyton"], REPO / "conf")
 
 
 @pytest.mark.parametrize(

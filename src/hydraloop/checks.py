@@ -3,12 +3,14 @@ splits over the ranks, k-fold settings, the task's fit to data and model, the mo
 and the command line's group options. A failed check is a ConfigError: one line naming the key and the value, exit 2.
 """
 
+import contextlib
 import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ChoiceSweep
 from hydra.errors import HydraException
@@ -142,10 +144,11 @@ def _require(condition: bool, message: str) -> None:
 
 
 def check_group_options(args: list[str], conf_dir: Path) -> None:
-    """`logger=foo` or `-m optimizer=adamw,sgdd`: an option that is not a file of its group in `conf_dir` is one line
-    listing the group's options, exit 2. Run on the command line's overrides before Hydra composes, whose own error for
-    it spans several lines and exits 1. Hydra's groups (hydra/...) and a command line that adds config folders
-    (--config-dir, hydra.searchpath) are left to Hydra, as is anything Hydra's parser rejects."""
+    """`logger=foo` or `-m optimizer=adamw,sgdd`: an option that is neither a file of its group in `conf_dir` nor
+    registered in Hydra's ConfigStore is one line listing the group's options, exit 2. Run on the command line's
+    overrides before Hydra composes, whose own error for it spans several lines and exits 1. Hydra's groups
+    (hydra/...) and a command line that adds config folders (--config-dir, hydra.searchpath) are left to Hydra, as
+    is anything Hydra's parser rejects."""
     overrides = [arg for arg in args if "=" in arg and not arg.startswith("-")]
     if any(arg.startswith(("-cd", "--config-dir")) for arg in args) or any("searchpath" in o for o in overrides):
         return
@@ -157,12 +160,20 @@ def check_group_options(args: list[str], conf_dir: Path) -> None:
         group = conf_dir / override.key_or_group
         if override.is_delete() or override.key_or_group.startswith("hydra") or not group.is_dir():
             continue
-        options = sorted(str(path.relative_to(group).with_suffix("")) for path in group.rglob("*.yaml"))
+        options = sorted(_group_options(group, override.key_or_group))
         for option in _option_names(override.value()):
             _require(
                 option in options,
                 f"{override.input_line}: {option!r} is not an option of {override.key_or_group} ({', '.join(options)})",
             )
+
+
+def _group_options(folder: Path, group: str) -> set[str]:
+    """The group's yaml files, and the options registered in Python (Hydra's ConfigStore)."""
+    options = {str(path.relative_to(folder).with_suffix("")) for path in folder.rglob("*.yaml")}
+    with contextlib.suppress(OSError):  # OSError: none registered
+        options |= {name.removesuffix(".yaml") for name in ConfigStore.instance().list(group)}
+    return options
 
 
 def _option_names(value: Any) -> Iterator[str]:
