@@ -2,6 +2,7 @@
 checkpoints that gather the shards into the plain model's and optimizer's state, so that every strategy resumes
 from them."""
 
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -79,6 +80,16 @@ class FSDPStrategy(DDPStrategy):
         # Without a mesh fully_shard builds one on the machine's default accelerator: on a GPU machine, device=cpu
         # would shard onto CUDA.
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+
+    def teardown(self) -> None:
+        # A gloo worker thread frees a finished collective's work object after Python has its result, taking the GIL
+        # to release its tensors; one still waiting for the GIL when the interpreter shuts down aborts the process
+        # ("terminate called without an active exception"; a torchrun rank, about 1 run in 10 on a busy 2-core
+        # machine). DDP's process group is destroyed in teardown, joining those threads; FSDP's stays alive past
+        # destroy_process_group, held by its device mesh, which DTensor's caches keep (torch 2.14). A moment without
+        # the GIL lets its threads finish first.
+        time.sleep(0.05)
+        super().teardown()
 
     def wrap(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)
