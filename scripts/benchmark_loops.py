@@ -1,0 +1,149 @@
+"""The two loops scripts/benchmark.py compares, built from the same config: hydraloop's own (its Trainer and loaders,
+built as src/train.py builds them) and a minimal hand-written PyTorch loop; each returns a function that runs one
+epoch and returns the samples it trained on. Also the workloads they run, and the timing of an epoch function.
+Imported by benchmark.py, which puts src/ and scripts/ on the path first."""
+
+import itertools
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from make_image_folder import DEFAULT_ROOT
+from torch.utils.data import DataLoader
+
+from hydraloop.checkpoint import TrainState
+from hydraloop.data.loaders import SeededAugmentation, build_loaders
+from hydraloop.parallel.single import SingleDevice
+from hydraloop.perf import Throughput
+from hydraloop.precision import Precision
+from hydraloop.run_writer import NullRunWriter
+from hydraloop.trainer import Trainer, batches_per_epoch
+
+REPO = Path(__file__).resolve().parents[1]
+
+IMAGE_FOLDER = ["data=image_folder", f"data.dataset.root={DEFAULT_ROOT}", "data.image_size=16", "data.batch_size=64"]
+WORKLOADS = {
+    "synthetic MLP": ["data=synthetic", "data.dataset.num_train=16384", "data.batch_size=256", "model=mlp"],
+    "MNIST-1D CNN": ["data=mnist1d", "data.batch_size=128", "model=cnn"],
+    "image folder CNN": [*IMAGE_FOLDER, "data.num_workers=1", "model=cnn", "model.channels=[16,32]"],
+    # experiment=text_gpt's character-level GPT (0.35M parameters, 32 x 64 tokens per step), 40 steps an "epoch".
+    "GPT": ["experiment=text_gpt", "model.dropout=0", "trainer.limit_train_batches=40"],
+    # The same with dropout 0.1: hydraloop's masks are keyed by sample (hydraloop.keyed_dropout), the hand-written
+    # loop's are drawn from the generator, as nn.Dropout draws them.
+    "GPT, dropout": ["experiment=text_gpt", "trainer.limit_train_batches=40"],
+}
+
+
+def compose_config(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose("train", overrides=[*overrides, "output_dir=/unused", "log_file=/unused"])
+
+
+def hydraloop_epoch(cfg, device: torch.device):
+    """hydraloop's own loop, built from the config as src/train.py builds it; returns a function running 1 epoch."""
+    strategy = SingleDevice(str(device))
+    strategy.setup()
+    train_set, val_set = instantiate(cfg.data.dataset)
+    loader, _ = build_loaders(
+        train_set,
+        val_set,
+        global_batch_size=cfg.data.batch_size,
+        global_val_batch_size=cfg.data.batch_size,
+        rank=0,
+        world_size=1,
+        seed=cfg.seed,
+        num_workers=cfg.data.num_workers,
+        drop_last=True,
+        device=device,
+        on_device=cfg.data.on_device,
+    )
+    torch.manual_seed(cfg.seed)
+    model = strategy.wrap(instantiate(cfg.model))
+    optimizer = instantiate(cfg.optimizer)(model.parameters())
+    trainer = Trainer(
+        strategy,
+        NullRunWriter(),
+        Precision(cfg.trainer.precision, device),
+        instantiate(cfg.task),
+        cfg.trainer,
+        model=model,
+        optimizer=optimizer,
+        scheduler=instantiate(cfg.scheduler)(optimizer, total_steps=10**9, steps_per_epoch=len(loader)),
+        throughput=Throughput(cfg.data.batch_size),
+        seed=cfg.seed,
+        optimized_metric=cfg.optimized_metric,
+        optimized_metric_mode=cfg.optimized_metric_mode,
+        config={},
+    )
+    epochs = itertools.count()
+
+    steps = batches_per_epoch(loader, cfg.trainer.limit_train_batches)
+
+    def epoch() -> int:
+        loader.sampler.set_epoch(next(epochs))
+        trainer.train_epoch(loader, TrainState())
+        return steps * cfg.data.batch_size
+
+    return epoch
+
+
+def handwritten_epoch(cfg, device: torch.device):
+    """What a researcher writes by hand: a shuffling DataLoader, forward, backward, step."""
+    train_set, _ = instantiate(cfg.data.dataset)
+    if isinstance(train_set, SeededAugmentation):
+        train_set = train_set.dataset  # the plain ImageFolder: crops drawn from each worker's own stream
+    workers = cfg.data.num_workers
+    loader = DataLoader(
+        train_set,
+        batch_size=cfg.data.batch_size,
+        shuffle=True,
+        drop_last=True,
+        pin_memory=device.type == "cuda",
+        num_workers=workers,
+        persistent_workers=workers > 0,
+    )
+    torch.manual_seed(cfg.seed)
+    model = instantiate(cfg.model).to(device)
+    optimizer = instantiate(cfg.optimizer)(model.parameters())
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(cfg.trainer.precision))
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype is torch.float16)
+
+    steps = min(len(loader), cfg.trainer.limit_train_batches or len(loader))
+
+    def epoch() -> int:
+        model.train()
+        for inputs, targets in itertools.islice(loader, steps):
+            inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+            with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+                # (N, classes) and (N,), or a language model's (B, T, vocab) and (B, T): one call for both.
+                loss = F.cross_entropy(model(inputs).flatten(0, -2), targets.flatten())
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        return steps * cfg.data.batch_size
+
+    return epoch
+
+
+def timed(epoch, device: torch.device, epochs: int = 1) -> float:
+    """Samples per second over `epochs` epochs (synchronised at the end on CUDA: the loop itself never waits)."""
+    start = time.perf_counter()
+    samples = sum(epoch() for _ in range(epochs))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return samples / (time.perf_counter() - start)
+
+
+def loading_epochs(loader):
+    """A function that loads one epoch of `loader`, a new permutation each call; returns the samples loaded."""
+    epochs = itertools.count()
+
+    def epoch() -> int:
+        loader.sampler.set_epoch(next(epochs))
+        return sum(len(targets) for _, targets in loader)
+
+    return epoch
