@@ -166,6 +166,16 @@ def train_in_process(tmp_path, monkeypatch, data_cache):
     return run
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread, for tests of models so small they gain nothing from a second: on a busy machine each op
+    would wait for it to be scheduled (100x slower here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def mlflow_uri(tmp_path_factory) -> str:
     """One MLflow database for the session's logger=mlflow runs: making one runs MLflow's table migrations (~9 s)."""

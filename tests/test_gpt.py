@@ -12,14 +12,7 @@ from hydraloop.models.gpt import GPT, Block
 TINY = dict(vocab_size=11, block_size=16, n_layer=2, n_head=4, n_embd=32)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Models this small gain nothing from a second intra-op thread, and on a busy machine each op would wait for
-    it to be scheduled (100x slower here)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_gpt(seed: int = 0, **overrides) -> GPT:

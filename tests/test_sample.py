@@ -27,14 +27,7 @@ sample_script = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(sample_script)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Models this small gain nothing from a second intra-op thread, and on a busy machine each op would wait for
-    it to be scheduled (100x slower here)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture
@@ -128,7 +121,7 @@ def test_command_line(checkpoint):
     """The real command, twice: the same text, and the prompt error as one line with exit code 2."""
     path = checkpoint()
     command = [sys.executable, str(SCRIPT), path, "--prompt", "a single", "--max-new-tokens", "40", "--seed", "7"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # see one_thread
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # see conftest.one_thread
     runs = [subprocess.run(command, capture_output=True, text=True, timeout=120, env=env) for _ in range(2)]
     assert runs[0].returncode == 0, runs[0].stderr
     assert runs[0].stdout == runs[1].stdout and runs[0].stdout.startswith("a single")
