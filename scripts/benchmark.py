@@ -282,10 +282,10 @@ def main() -> None:
             f"\n(a) loop throughput, samples/s: {args.repeats} interleaved pairs in each of {args.loop_processes} "
             "process(es); medians"
         )
-        print(f"{'workload':<18}{'hydraloop':>12}{'hand-written':>14}{'ratio':>8}")
+        print(f"{'workload':<28}{'hydraloop':>12}{'hand-written':>14}{'ratio':>8}")
         for row in report["loop"]:
             print(
-                f"{row['workload']:<18}{row['hydraloop_samples_per_s']:>12.0f}"
+                f"{row['workload']:<28}{row['hydraloop_samples_per_s']:>12.0f}"
                 f"{row['handwritten_samples_per_s']:>14.0f}{row['ratio']:>8.3f}"
             )
     if "startup" not in args.skip:

@@ -1,6 +1,7 @@
 """The two loops scripts/benchmark.py compares, built from the same config: hydraloop's own (its Trainer and loaders,
 built as src/train.py builds them) and a minimal hand-written PyTorch loop; each returns a function that runs one
-epoch and returns the samples it trained on. Also the workloads they run, and the timing of an epoch function.
+epoch and returns the samples it trained on. Both compute with trainer.cpu_threads threads (PyTorch's default when
+null). Also the workloads they run, and the timing of an epoch function.
 Imported by benchmark.py, which puts src/ and scripts/ on the path first."""
 
 import itertools
@@ -23,12 +24,17 @@ from hydraloop.run_writer import NullRunWriter
 from hydraloop.trainer import Trainer, batches_per_epoch
 
 REPO = Path(__file__).resolve().parents[1]
+DEFAULT_THREADS = torch.get_num_threads()  # before a workload sets its own
 
 IMAGE_FOLDER = ["data=image_folder", f"data.dataset.root={DEFAULT_ROOT}", "data.image_size=16", "data.batch_size=64"]
+IMAGE_CNN = [*IMAGE_FOLDER, "data.num_workers=1", "model=cnn", "model.channels=[16,32]"]
 WORKLOADS = {
     "synthetic MLP": ["data=synthetic", "data.dataset.num_train=16384", "data.batch_size=256", "model=mlp"],
     "MNIST-1D CNN": ["data=mnist1d", "data.batch_size=128", "model=cnn"],
-    "image folder CNN": [*IMAGE_FOLDER, "data.num_workers=1", "model=cnn", "model.channels=[16,32]"],
+    "image folder CNN": IMAGE_CNN,
+    # The same with the worker's core left to it: PyTorch's default pool (a thread per core) spins on the core the
+    # worker loads on.
+    "image folder CNN, 1 thread": [*IMAGE_CNN, "trainer.cpu_threads=1"],
     # experiment=text_gpt's character-level GPT (0.35M parameters, 32 x 64 tokens per step), 40 steps an "epoch".
     "GPT": ["experiment=text_gpt", "model.dropout=0", "trainer.limit_train_batches=40"],
     # The same with dropout 0.1: hydraloop's masks are keyed by sample (hydraloop.keyed_dropout), the hand-written
@@ -46,6 +52,7 @@ def hydraloop_epoch(cfg, device: torch.device):
     """hydraloop's own loop, built from the config as src/train.py builds it; returns a function running 1 epoch."""
     strategy = SingleDevice(str(device))
     strategy.setup()
+    torch.set_num_threads(cfg.trainer.cpu_threads or DEFAULT_THREADS)  # as configure_backends in src/train.py
     train_set, val_set = instantiate(cfg.data.dataset)
     loader, _ = build_loaders(
         train_set,
@@ -92,6 +99,7 @@ def hydraloop_epoch(cfg, device: torch.device):
 
 def handwritten_epoch(cfg, device: torch.device):
     """What a researcher writes by hand: a shuffling DataLoader, forward, backward, step."""
+    torch.set_num_threads(cfg.trainer.cpu_threads or DEFAULT_THREADS)
     train_set, _ = instantiate(cfg.data.dataset)
     if isinstance(train_set, SeededAugmentation):
         train_set = train_set.dataset  # the plain ImageFolder: crops drawn from each worker's own stream

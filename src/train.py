@@ -93,7 +93,10 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice, job: JobInfo) -> dict
     the GIL, and a gloo thread still freeing the last collective's tensor needs the GIL: a deadlock (torch 2.13).
     """
     configure_backends(
-        deterministic=cfg.trainer.deterministic, tf32=cfg.trainer.tf32, cudnn_benchmark=cfg.trainer.cudnn_benchmark
+        deterministic=cfg.trainer.deterministic,
+        tf32=cfg.trainer.tf32,
+        cudnn_benchmark=cfg.trainer.cudnn_benchmark,
+        cpu_threads=cfg.trainer.cpu_threads,
     )
     task = instantiate(cfg.task)
     if cfg.mode == "predict":

@@ -49,6 +49,7 @@ def assert_rejected_by_hydra(run, *expected: str) -> None:
         ("trainer.grad_accum_steps=5", "trainer.grad_accum_steps=5: data.batch_size=64 does not split"),
         ("trainer.limit_train_batches=0", "trainer.limit_train_batches=0: must be positive"),
         ("trainer.keep_last_k=0", "trainer.keep_last_k=0: must be at least 1"),
+        ("trainer.cpu_threads=0", "trainer.cpu_threads=0: must be positive, or null"),
     ],
 )
 def test_out_of_range_value(run_train, override, message):

@@ -94,6 +94,19 @@ def test_fp16_resume_matches_uninterrupted(train_in_process):
     assert max_param_diff(weights(resumed), weights(uninterrupted)) == 0.0
 
 
+def test_cpu_threads_sets_each_ranks_pool_and_keeps_results(train_in_process):
+    metrics, run_dir = reference(train_in_process)
+    default = torch.get_num_threads()
+    threads = 1 if default > 1 else 2  # a change either way
+    try:
+        pooled, pooled_dir = train_in_process("trainer.max_epochs=2", "logger=none", f"trainer.cpu_threads={threads}")
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(default)
+    assert max_param_diff(weights(pooled_dir), weights(run_dir)) < ROUND_OFF
+    assert pooled["val/acc"] == pytest.approx(metrics["val/acc"], abs=1e-3)
+
+
 def test_channels_last_conv_net_matches(train_in_process):
     _, plain_dir = train_in_process("model=cnn", "trainer.max_epochs=1", "logger=none")
     _, channels_last_dir = train_in_process(

@@ -1,11 +1,14 @@
-"""Process-wide PyTorch switches that trade reproducibility for speed, set once per rank before building."""
+"""Process-wide PyTorch switches, set once per rank before building: kernels that trade reproducibility for speed,
+and the threads the rank computes with on the CPU."""
 
 import os
 
 import torch
 
 
-def configure_backends(*, deterministic: bool, tf32: bool, cudnn_benchmark: bool) -> None:
+def configure_backends(*, deterministic: bool, tf32: bool, cudnn_benchmark: bool, cpu_threads: int | None) -> None:
+    if cpu_threads:  # else PyTorch's default, or the share of the machine's cores a ddp/fsdp rank took in setup
+        torch.set_num_threads(cpu_threads)
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
     torch.backends.cudnn.benchmark = cudnn_benchmark and not deterministic

@@ -47,7 +47,14 @@ def check_config(cfg: Any, world_size: int) -> None:
     val_batch_size = cfg.data.val_batch_size
     _require(val_batch_size is None or val_batch_size > 0, f"data.val_batch_size={val_batch_size}: must be positive")
     _require(cfg.trainer.max_epochs > 0, f"trainer.max_epochs={cfg.trainer.max_epochs}: must be positive")
-    for key in ("max_steps", "val_every_n_steps", "ckpt_every_n_steps", "peak_tflops", "early_stopping.patience"):
+    for key in (
+        "max_steps",
+        "val_every_n_steps",
+        "ckpt_every_n_steps",
+        "peak_tflops",
+        "cpu_threads",
+        "early_stopping.patience",
+    ):
         value = OmegaConf.select(cfg.trainer, key)
         _require(value is None or value > 0, f"trainer.{key}={value}: must be positive, or null")
     min_delta = cfg.trainer.early_stopping.min_delta

@@ -64,6 +64,10 @@ class TrainerConfig:
     """Let cuDNN time its kernels for each input shape and keep the fastest (off in deterministic mode)."""
     channels_last: bool = False
     """Store 2-D conv nets and their 4-D inputs channels-last, the layout tensor cores prefer."""
+    cpu_threads: int | None = None
+    """Threads each rank computes with on the CPU (torch.set_num_threads). null: PyTorch's default (OMP_NUM_THREADS,
+    else one per core), or under ddp and fsdp the rank's share of the machine's cores. Training on the CPU with busy
+    DataLoader workers, fewer can be faster: the workers need cores too (README, Benchmarks)."""
     nonfinite_loss: str = "stop"
     """A NaN or infinite loss. stop: end the run at the next logging step, naming the step and rank (free per step).
     skip: every rank drops that step's update (a collective and a host sync per step to decide); a logging interval
