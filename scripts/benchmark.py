@@ -40,6 +40,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from benchmark_loops import (  # noqa: E402
     IMAGE_FOLDER,
+    LARGER_FILES,
     WORKLOADS,
     compose_config,
     handwritten_epoch,
@@ -274,7 +275,8 @@ def main() -> None:
         "precision": args.precision,
         "date": time.strftime("%Y-%m-%d"),
     }
-    write_digits(DEFAULT_ROOT)  # the image folder of (a) and (d), unless it is there
+    write_digits(DEFAULT_ROOT)  # the image folders of (a) and (d), unless they are there
+    write_digits(LARGER_FILES, size=128)
     if "loop" not in args.skip:
         one = args.loop_processes == 1
         report["loop"] = loop_throughput(args, device) if one else loop_throughput_in_processes(args)

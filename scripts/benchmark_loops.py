@@ -28,6 +28,9 @@ DEFAULT_THREADS = torch.get_num_threads()  # before a workload sets its own
 
 IMAGE_FOLDER = ["data=image_folder", f"data.dataset.root={DEFAULT_ROOT}", "data.image_size=16", "data.batch_size=64"]
 IMAGE_CNN = [*IMAGE_FOLDER, "data.num_workers=1", "model=cnn", "model.channels=[16,32]"]
+# The same digits drawn as 128 x 128 files, cropped to the same 16 x 16: decoding and cropping take longer, as they
+# do for photographs, while the model's step stays the same.
+LARGER_FILES = DEFAULT_ROOT.with_name(f"{DEFAULT_ROOT.name}_128")
 WORKLOADS = {
     "synthetic MLP": ["data=synthetic", "data.dataset.num_train=16384", "data.batch_size=256", "model=mlp"],
     "MNIST-1D CNN": ["data=mnist1d", "data.batch_size=128", "model=cnn"],
@@ -35,6 +38,7 @@ WORKLOADS = {
     # The same with the worker's core left to it: PyTorch's default pool (a thread per core) spins on the core the
     # worker loads on.
     "image folder CNN, 1 thread": [*IMAGE_CNN, "trainer.cpu_threads=1"],
+    "128px files, 1 thread": [*IMAGE_CNN, "trainer.cpu_threads=1", f"data.dataset.root={LARGER_FILES}"],
     # experiment=text_gpt's character-level GPT (0.35M parameters, 32 x 64 tokens per step), 40 steps an "epoch".
     "GPT": ["experiment=text_gpt", "model.dropout=0", "trainer.limit_train_batches=40"],
     # The same with dropout 0.1: hydraloop's masks are keyed by sample (hydraloop.keyed_dropout), the hand-written

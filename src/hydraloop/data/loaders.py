@@ -56,6 +56,8 @@ class SeededAugmentation(Dataset):
     step (a well-mixed base; Mersenne Twister's seeding decorrelates neighbouring seeds). A sample then gets the same
     crop in the same epoch whatever the world size, the number of DataLoader workers, and the step a run resumed
     from. The base is computed once per epoch: a SeedSequence per sample would cost ~10 us, 3% of a small image.
+    Seeding itself (Mersenne Twister's 624-word state, refilled at the first draw) costs ~4 us a sample in a worker:
+    2% of decoding and cropping a 32x32 PNG (200 us), 1.2% for a 128x128 one; a photograph takes milliseconds.
 
     The epoch travels with the index: the training sampler yields (epoch, index) keys, since worker processes
     (persistent ones included) never see the sampler's set_epoch. The transforms must draw from torch's default
