@@ -29,7 +29,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from hydraloop.backends import configure_backends
 from hydraloop.checkpoint import TrainState, check_resumable, checkpoint_to_resume, resume
-from hydraloop.checks import check_config, check_group_options, check_model, check_required, check_task
+from hydraloop.checks import (
+    check_arguments,
+    check_config,
+    check_group_options,
+    check_model,
+    check_required,
+    check_task,
+)
 from hydraloop.config import register_configs
 from hydraloop.data.loaders import build_loaders
 from hydraloop.errors import (
@@ -233,6 +240,7 @@ def main(cfg: DictConfig) -> float:
         # another live run owns, or one that cannot be written, is refused here, before anything is written into it.
         with owned_run_directory(cfg.output_dir, cfg.log_file, owner=strategy.is_main_process):
             check_config(cfg, strategy.world_size)
+            check_arguments(cfg)
             if cfg.data.check:  # the data set's own checks, e.g. an image folder's layout
                 instantiate(cfg.data.check)
             task = instantiate(cfg.task)

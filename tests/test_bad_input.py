@@ -50,6 +50,13 @@ def assert_rejected_by_hydra(run, *expected: str) -> None:
         ("trainer.limit_train_batches=0", "trainer.limit_train_batches=0: must be positive"),
         ("trainer.keep_last_k=0", "trainer.keep_last_k=0: must be at least 1"),
         ("trainer.cpu_threads=0", "trainer.cpu_threads=0: must be positive, or null"),
+        # A key its _target_ does not take (keys of built nodes are free-form), and a _target_ that is not there.
+        ("+model.widht=3", "model.widht=3: hydraloop.models.mlp.MLP takes no argument 'widht' (it takes input_shape,"),
+        (
+            "+optimizer.weight_deacy=0.1",
+            "torch.optim.AdamW takes no argument 'weight_deacy'; did you mean weight_decay?",
+        ),
+        ("model._target_=hydraloop.models.mlpx.MLP", "cannot import it: No module named 'hydraloop.models.mlpx'"),
     ],
 )
 def test_out_of_range_value(run_train, override, message):

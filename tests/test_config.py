@@ -7,9 +7,11 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 from torch.utils.data import TensorDataset
 
 from conftest import REPO
+from hydraloop.checks import check_arguments
 from hydraloop.config import register_configs
 from hydraloop.data.loaders import ShardSampler, build_loaders
 from hydraloop.seeding import epoch_seed
@@ -38,6 +40,27 @@ def test_every_combination_composes(parallel, data, model, optimizer):
     assert cfg.optimizer._target_ == f"torch.optim.{OPTIMIZERS[optimizer][0].__name__}"
     assert list(cfg.model.input_shape) == list(cfg.data.input_shape)
     assert cfg.model.num_classes == cfg.data.num_classes == 10
+
+
+SHIPPED_OPTIONS = [
+    f"{group}={path.stem}"
+    for group in ("parallel", "data", "task", "model", "optimizer", "scheduler", "experiment")
+    for path in sorted((REPO / "conf" / group).glob("*.yaml"))
+]
+NEEDS = {  # the values an option requires (???), or the data it is meant for
+    "data=tensors": ["data.dataset.path=/nowhere.pt", "data.input_shape=[4]", "data.num_classes=2"],
+    "data=image_folder": ["data.dataset.root=/nowhere"],
+    "experiment=imagenet_resnet50": ["data.dataset.root=/nowhere"],
+    "model=gpt": ["data=text", "task=language_model"],
+}
+
+
+@pytest.mark.parametrize("option", SHIPPED_OPTIONS)
+def test_every_shipped_option_passes_the_argument_check(option):
+    """checks.check_arguments refuses a key its node's _target_ does not take; no shipped config has one (the
+    refusals themselves: test_bad_input.py)."""
+    cfg = compose_train(option, *NEEDS.get(option, []), "output_dir=/unused", "log_file=/unused")  # no Hydra run
+    check_arguments(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)))
 
 
 @pytest.mark.parametrize("data, model", list(itertools.product(DATA, MODELS)))

@@ -4,6 +4,9 @@ and the command line's group options. A failed check is a ConfigError: one line 
 """
 
 import contextlib
+import difflib
+import importlib
+import inspect
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -114,6 +117,57 @@ def check_task(cfg: Any, task: Any) -> None:
     task.check(cfg)
     metric, reported = cfg.optimized_metric, task.reported_metrics()
     _require(metric in reported, f"optimized_metric={metric}: the task reports {', '.join(reported)}")
+
+
+# The config nodes the ranks build with hydra.utils.instantiate, and what they are completed with in code.
+INSTANTIATED = ("parallel", "data.dataset", "data.check", "task", "model", "optimizer", "scheduler")
+
+
+def check_arguments(cfg: Any) -> None:
+    """Every key of a node built with `instantiate` names an argument its `_target_` takes. Keys are free-form there
+    (`+optimizer.weight_deacy=0.1` adds one), and a misspelt one would otherwise fail in every rank, as a traceback
+    from inside Hydra."""
+    for path in INSTANTIATED:
+        node = OmegaConf.select(cfg, path)
+        if not OmegaConf.is_dict(node) or "_target_" not in node:
+            continue
+        target = _import_target(node._target_, f"{path}._target_")
+        try:
+            parameters = inspect.signature(target).parameters
+        except (TypeError, ValueError):  # a builtin without a signature: its own error will have to do
+            continue
+        if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values()):
+            continue
+        for key in node:
+            if key.startswith("_") and key.endswith("_") or key in parameters:  # _partial_, _recursive_, ...
+                continue
+            close = difflib.get_close_matches(key, parameters, n=1)
+            raise ConfigError(
+                f"{path}.{key}={OmegaConf.select(node, key)}: {node._target_} takes no argument {key!r}"
+                + (f"; did you mean {close[0]}?" if close else f" (it takes {', '.join(parameters)})")
+            )
+
+
+def _import_target(dotted: str, key: str) -> Any:
+    """The object a `_target_` names (a module's attribute, or an attribute of one: module.Class.method)."""
+    parts = str(dotted).split(".")
+    import_error = None  # the longest module path's: what failed inside it, or that it does not exist
+    for split in range(len(parts) - 1, 0, -1):  # the longest importable module first
+        try:
+            target = importlib.import_module(".".join(parts[:split]))
+        except ImportError as error:
+            import_error = import_error or str(error)
+            continue
+        try:
+            for name in parts[split:]:
+                target = getattr(target, name)
+        except AttributeError as error:
+            reason = import_error or str(error)
+            break
+        return target
+    else:
+        reason = import_error or f"{dotted!r} is not a dotted path to an object"
+    raise ConfigError(f"{key}={dotted}: cannot import it: {reason}")
 
 
 def check_model(model: Any) -> None:
