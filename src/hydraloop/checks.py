@@ -1,6 +1,7 @@
 """What the schema's types cannot say, checked in the launcher before any rank starts: ranges, how the global batch
-splits over the ranks, k-fold settings, the task's fit to data and model, the model's arguments, required values,
-and the command line's group options. A failed check is a ConfigError: one line naming the key and the value, exit 2.
+splits over the ranks, k-fold settings, the task's fit to data and model, the keys of every node built with
+`instantiate`, the model's arguments, required values, and the command line's group options. A failed check is a
+ConfigError: one line naming the key and the value, exit 2.
 """
 
 import contextlib
@@ -119,7 +120,8 @@ def check_task(cfg: Any, task: Any) -> None:
     _require(metric in reported, f"optimized_metric={metric}: the task reports {', '.join(reported)}")
 
 
-# The config nodes the ranks build with hydra.utils.instantiate, and what they are completed with in code.
+# The config nodes the ranks build with hydra.utils.instantiate (some completed in code: the optimizer with the
+# parameters, the scheduler with the step counts; only the keys the config gives are checked).
 INSTANTIATED = ("parallel", "data.dataset", "data.check", "task", "model", "optimizer", "scheduler")
 
 
