@@ -12,11 +12,24 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig
 
+from hydraloop.config import register_configs
 from hydraloop.errors import BAD_INPUT_EXIT_CODE
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "src" / "train.py"
+
+
+def compose_train(*overrides: str) -> DictConfig:
+    """conf/train.yaml with `overrides`, composed as the entrypoint composes it, outside a Hydra run (whose output
+    directory and log file it stands in for, so that the whole config resolves)."""
+    register_configs()  # the schemas conf/train.yaml builds on
+    GlobalHydra.instance().clear()  # another test (or a crashed one) may have left Hydra initialised
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose("train", overrides=[*overrides, "output_dir=/unused", "log_file=/unused"])
 
 
 @dataclass

@@ -4,15 +4,12 @@ import itertools
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch.utils.data import TensorDataset
 
-from conftest import REPO
+from conftest import REPO, compose_train
 from hydraloop.checks import check_arguments
-from hydraloop.config import register_configs
 from hydraloop.data.loaders import ShardSampler, build_loaders
 from hydraloop.seeding import epoch_seed
 
@@ -20,13 +17,6 @@ PARALLEL = ("single", "dataparallel", "ddp")
 DATA = ("digits", "mnist1d", "synthetic")
 MODELS = ("mlp", "cnn")
 OPTIMIZERS = {"sgd": (torch.optim.SGD, 0.05), "adamw": (torch.optim.AdamW, 0.003)}
-
-
-def compose_train(*overrides: str):
-    register_configs()
-    GlobalHydra.instance().clear()  # another test (or a crashed one) may have left Hydra initialised
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return compose(config_name="train", overrides=list(overrides))
 
 
 @pytest.mark.parametrize(
@@ -59,7 +49,7 @@ NEEDS = {  # the values an option requires (???), or the data it is meant for
 def test_every_shipped_option_passes_the_argument_check(option):
     """checks.check_arguments refuses a key its node's _target_ does not take; no shipped config has one (the
     refusals themselves: test_bad_input.py)."""
-    cfg = compose_train(option, *NEEDS.get(option, []), "output_dir=/unused", "log_file=/unused")  # no Hydra run
+    cfg = compose_train(option, *NEEDS.get(option, []))
     check_arguments(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)))
 
 

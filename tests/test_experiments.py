@@ -7,11 +7,9 @@ import operator
 import re
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from conftest import REPO
-from hydraloop.config import register_configs
+from conftest import REPO, compose_train
 
 EXPERIMENTS = sorted(path.stem for path in (REPO / "conf" / "experiment").glob("*.yaml"))
 # ImageNet is not here: test_images.py runs that recipe's first steps on a small image folder instead.
@@ -20,12 +18,6 @@ RUNNABLE = [name for name in EXPERIMENTS if name != "imagenet_resnet50"]
 
 def test_the_recorded_recipes_are_there():
     assert {"mnist1d_mlp", "mnist1d_cnn", "digits_mlp"} <= set(EXPERIMENTS)
-
-
-def compose_train(*overrides: str):
-    register_configs()  # the schemas conf/train.yaml builds on
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return compose("train", overrides=list(overrides))
 
 
 def leaves(node, prefix=""):
