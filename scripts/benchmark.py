@@ -11,8 +11,9 @@
 (c) parallel=dataparallel and parallel=ddp with 1 and 2 processes (`--ddp-procs`) against parallel=single, as whole
     commands.
 (d) Images per second through hydraloop's training loader over an image folder (scripts/make_image_folder.py's
-    digits, 16x16 random crops and flips, seeded per sample) with 0, 1 and 2 worker processes. (a) also runs a
-    small CNN on that folder against a hand-written ImageFolder loop with as many workers.
+    digits, 16x16 random crops and flips, seeded per sample) with 0, 1 and 2 worker processes, the transforms'
+    closing ToDtype and Normalize run per batch (hydraloop's way) and per sample. (a) also runs a small CNN on that
+    folder against a hand-written ImageFolder loop with as many workers.
 
 Prints a table and writes the figures as JSON. Medians throughout; (a)'s ratio is the median over processes of
 each process's median ratio of back-to-back pairs, the others are ratios of medians measured in this run.
@@ -20,6 +21,7 @@ each process's median ratio of back-to-back pairs, the others are ratios of medi
 
 import argparse
 import gc
+import itertools
 import json
 import math
 import platform
@@ -41,6 +43,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 from benchmark_loops import (  # noqa: E402
     IMAGE_FOLDER,
     LARGER_FILES,
+    PER_SAMPLE_TAIL,
     WORKLOADS,
     compose_config,
     handwritten_epoch,
@@ -64,7 +67,10 @@ def loop_throughput(args, device: torch.device) -> list[dict]:
     for name in args.workloads:
         overrides = WORKLOADS[name]
         cfg = compose_config([*overrides, f"trainer.precision={args.precision}"])
-        contenders = {"hydraloop": hydraloop_epoch(cfg, device), "hand-written": handwritten_epoch(cfg, device)}
+        contenders = {
+            "hydraloop": hydraloop_epoch(cfg, device, elementwise_per_batch=name not in PER_SAMPLE_TAIL),
+            "hand-written": handwritten_epoch(cfg, device),
+        }
         for epoch in contenders.values():
             epoch()  # warm-up: allocator, caches, lazy initialisation
         # An epoch of these workloads takes ~0.1 s on a CPU, short enough for scheduler noise to move a single
@@ -222,7 +228,7 @@ def image_loader_throughput(args, device: torch.device) -> list[dict]:
     """(d): hydraloop's training loader alone, one epoch at a time, after a first epoch that starts the workers."""
     cfg = compose_config(IMAGE_FOLDER)
     rows = []
-    for workers in (0, 1, 2):
+    for per_batch, workers in itertools.product((True, False), (0, 1, 2)):
         train_set, val_set = instantiate(cfg.data.dataset)
         loader, _ = build_loaders(
             *(train_set, val_set),
@@ -234,11 +240,19 @@ def image_loader_throughput(args, device: torch.device) -> list[dict]:
             num_workers=workers,
             drop_last=True,
             device=device,
+            elementwise_per_batch=per_batch,
         )
         epoch = loading_epochs(loader)
         epoch()
         rates = [timed(epoch, device) for _ in range(args.repeats)]
-        rows.append({"workers": workers, "images_per_s": statistics.median(rates), "samples": rates})
+        rows.append(
+            {
+                "workers": workers,
+                "todtype_normalize": "per batch" if per_batch else "per sample",
+                "images_per_s": statistics.median(rates),
+                "samples": rates,
+            }
+        )
         del loader, epoch  # its persistent workers end here, not while the next setting is timed
         gc.collect()
     return rows
@@ -284,10 +298,10 @@ def main() -> None:
             f"\n(a) loop throughput, samples/s: {args.repeats} interleaved pairs in each of {args.loop_processes} "
             "process(es); medians"
         )
-        print(f"{'workload':<28}{'hydraloop':>12}{'hand-written':>14}{'ratio':>8}")
+        print(f"{'workload':<32}{'hydraloop':>12}{'hand-written':>14}{'ratio':>8}")
         for row in report["loop"]:
             print(
-                f"{row['workload']:<28}{row['hydraloop_samples_per_s']:>12.0f}"
+                f"{row['workload']:<32}{row['hydraloop_samples_per_s']:>12.0f}"
                 f"{row['handwritten_samples_per_s']:>14.0f}{row['ratio']:>8.3f}"
             )
     if "startup" not in args.skip:
@@ -311,7 +325,10 @@ def main() -> None:
     if "images" not in args.skip:
         report["images"] = image_loader_throughput(args, device)
         print(f"\n(d) image folder through the training loader, images/s (median of {args.repeats} epochs)")
-        print("  ".join(f"{row['workers']} workers: {row['images_per_s']:.0f}" for row in report["images"]))
+        for where in ("per batch", "per sample"):
+            rows = [row for row in report["images"] if row["todtype_normalize"] == where]
+            figures = "  ".join(f"{row['workers']} workers: {row['images_per_s']:.0f}" for row in rows)
+            print(f"ToDtype, Normalize {where:<12}{figures}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwritten: {args.out}")

@@ -40,7 +40,9 @@ def test_benchmark_reports_loop_and_startup_figures(tmp_path, train_env):
     assert startup["overhead_vs_import_torch_s"] == pytest.approx(
         startup["train_py_first_step_s"] - startup["import_torch_s"]
     )
-    assert [row["workers"] for row in report["images"]] == [0, 1, 2]
+    assert [(row["todtype_normalize"], row["workers"]) for row in report["images"]] == [
+        (where, workers) for where in ("per batch", "per sample") for workers in (0, 1, 2)
+    ]
     for row in report["images"]:
         assert len(row["samples"]) == 2 and row["images_per_s"] == pytest.approx(statistics.median(row["samples"]))
     assert "(a) loop throughput" in proc.stdout and "(b) start-up" in proc.stdout and "(d) image folder" in proc.stdout

@@ -1,6 +1,7 @@
 """Images from disk: data=image_folder with random crops and flips that depend on (seed, epoch, sample index) alone,
 model=torchvision, the ImageNet recipe. (Bad input: test_images_bad_input.py.)"""
 
+import itertools
 import os
 import signal
 import subprocess
@@ -12,6 +13,7 @@ import torch
 from hydra.utils import instantiate
 
 from conftest import TRAIN, compose_train, max_param_diff, wait_for
+from hydraloop.data.batch_transforms import CollateThenTransform, split_elementwise_tail
 from hydraloop.data.loaders import SeededAugmentation, auto_num_workers, build_loaders
 from hydraloop.errors import ConfigError
 from hydraloop.models.torchvision_model import torchvision_model
@@ -69,6 +71,59 @@ def test_a_samples_crop_and_flip_depend_on_seed_epoch_and_index_alone(image_fold
         assert torch.equal(ranks[0][step], batch[0::2]) and torch.equal(ranks[1][step], batch[1::2])
     resumed = first_batches(train_loader(image_folder, 0, 1, num_workers=2, epoch=1, start_batch=1), 2)
     assert torch.equal(resumed[0], single[1]) and torch.equal(resumed[1], single[2])
+
+
+def test_closing_todtype_and_normalize_run_per_batch_and_make_the_per_sample_lists_batch(image_folder):
+    """The loaders run the lists' elementwise end on whole batches (hydraloop.data.batch_transforms); the batches are
+    bitwise those of each sample through its whole list, and the caller's data sets keep their whole lists."""
+    cfg = compose_train(*images(image_folder))
+    train_set, val_set = instantiate(cfg.data.dataset)
+    for num_workers in (0, 1):
+        train, val = loaders(image_folder, 0, 1, num_workers)
+        assert isinstance(train.collate_fn, CollateThenTransform) and isinstance(val.collate_fn, CollateThenTransform)
+        assert [type(t).__name__ for t in train.dataset.dataset.transform.transforms][-1] == "ToImage"
+        train.sampler.set_epoch(1)
+        keys = list(itertools.islice(train.sampler, 8))
+        inputs, targets = next(iter(train))
+        whole_lists = [train_set[key] for key in keys]
+        assert type(inputs) is torch.Tensor and inputs.dtype == torch.float32
+        assert torch.equal(inputs, torch.stack([sample for sample, _ in whole_lists]))
+        assert targets.tolist() == [target for _, target in whole_lists]
+        val_inputs, _ = next(iter(val))
+        assert torch.equal(val_inputs, torch.stack([val_set[i][0] for i in range(0, 8)]))
+    assert [type(t).__name__ for t in train_set.dataset.transform.transforms][-1] == "Normalize"
+
+
+@pytest.mark.parametrize(
+    ("names", "tail"),
+    [
+        (["RandomResizedCrop", "ToImage", "ToDtype", "Normalize"], ["ToDtype", "Normalize"]),
+        (["Resize", "PILToTensor", "ToDtype"], ["ToDtype"]),
+        (["ToImage", "ToDtype", "Normalize", "RandomErasing"], None),  # random: per sample
+        (["ToImage", "ToDtype:dict", "Normalize"], None),  # a per-type dtype would see the batch as another type
+        (["RandomResizedCrop", "ToDtype", "Normalize"], None),  # a PIL image until ToDtype: nothing to stack
+    ],
+)
+def test_only_an_elementwise_tail_after_a_tensor_moves_to_the_batch(image_folder, names, tail):
+    from torchvision import tv_tensors
+    from torchvision.datasets import ImageFolder
+    from torchvision.transforms import v2
+
+    special = {
+        "RandomResizedCrop": lambda: v2.RandomResizedCrop(8),
+        "Resize": lambda: v2.Resize(8),
+        "ToDtype": lambda: v2.ToDtype(torch.float32, scale=True),
+        "ToDtype:dict": lambda: v2.ToDtype({tv_tensors.Image: torch.float32}, scale=True),
+        "Normalize": lambda: v2.Normalize([0.5] * 3, [0.2] * 3),
+    }
+    transforms = [special[name]() if name in special else getattr(v2, name)() for name in names]
+    dataset = ImageFolder(str(image_folder / "val"), transform=v2.Compose(transforms))
+    head, collate = split_elementwise_tail(dataset)
+    if tail is None:
+        assert head is dataset and collate is None
+    else:
+        assert [type(t).__name__ for t in collate.transform.transforms] == tail
+        assert head.transform.transforms == transforms[: -len(tail)] and dataset.transform.transforms == transforms
 
 
 def test_auto_num_workers_is_this_ranks_share_of_the_cores(monkeypatch):

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset, get_worker_info
 
+from hydraloop.data.batch_transforms import CollateThenTransform, split_elementwise_tail
 from hydraloop.errors import ConfigError
 
 
@@ -167,7 +168,10 @@ def build_loaders(
     shuffle: bool = True,
     on_device: bool = False,
     prefetch_factor: int | None = None,
+    elementwise_per_batch: bool = True,
 ) -> tuple[DataLoader | DeviceBatches, DataLoader | DeviceBatches]:
+    """The training and validation loaders of this rank. `elementwise_per_batch`: an image folder's closing ToDtype
+    and Normalize run once per batch (hydraloop.data.batch_transforms); False runs them per sample (benchmark.py)."""
     # The sampler drops (rather than pads) the tail that does not split evenly over the ranks, so no rank
     # takes an extra batch of duplicated samples that one process would not see.
     batch_size, val_batch_size = global_batch_size // world_size, max(1, global_val_batch_size // world_size)
@@ -189,6 +193,10 @@ def build_loaders(
             DeviceBatches(_device_tensors(train_set, device), train_sampler, batch_size, drop_last),
             DeviceBatches(_device_tensors(val_set, device), val_sampler, val_batch_size, drop_last=False),
         )
+    (train_set, train_collate), (val_set, val_collate) = (
+        _elementwise_tail_per_batch(dataset) if elementwise_per_batch else (dataset, None)
+        for dataset in (train_set, val_set)
+    )
     if num_workers > 0:
         _preload_for_workers(train_set, val_set)
     common = dict(
@@ -210,10 +218,19 @@ def build_loaders(
         sampler=train_sampler,
         drop_last=drop_last,
         generator=torch.Generator().manual_seed(seed + rank),
+        collate_fn=train_collate,
         **common,
     )
-    val = DataLoader(val_set, batch_size=val_batch_size, sampler=val_sampler, **common)
+    val = DataLoader(val_set, batch_size=val_batch_size, sampler=val_sampler, collate_fn=val_collate, **common)
     return train, val
+
+
+def _elementwise_tail_per_batch(dataset: Dataset) -> tuple[Dataset, CollateThenTransform | None]:
+    """split_elementwise_tail, looking through SeededAugmentation: (the data set to load, its collate_fn or None)."""
+    if not isinstance(dataset, SeededAugmentation):
+        return split_elementwise_tail(dataset)
+    head, collate = split_elementwise_tail(dataset.dataset)
+    return (SeededAugmentation(head, dataset.seed) if collate else dataset), collate
 
 
 def _preload_for_workers(*datasets: Dataset) -> None:
