@@ -34,6 +34,7 @@ from hydraloop.checks import (
     check_config,
     check_group_options,
     check_model,
+    check_optimization,
     check_required,
     check_task,
 )
@@ -246,6 +247,7 @@ def main(cfg: DictConfig) -> float:
             task = instantiate(cfg.task)
             check_task(cfg, task)
             check_model(cfg.model)
+            check_optimization(cfg.optimizer, cfg.scheduler)
             if cfg.mode == "predict":  # the file fits the model: before any rank starts
                 load_inputs(cfg.data.predict_path, cfg.data.input_shape, tokens=task.tokens_per_sample is not None)
             strategy.check(cfg)

@@ -63,6 +63,30 @@ def test_out_of_range_value(run_train, override, message):
     assert_rejected(run_train(override), message)
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["optimizer.betas=[0.9,1.5]"],
+            "optimizer.betas=[0.9, 1.5]: torch.optim.AdamW says: Invalid beta parameter at index 1: 1.5",
+        ),
+        (  # torch's message names two keys
+            ["optimizer=sgd", "optimizer.nesterov=true", "optimizer.momentum=0"],
+            "optimizer.momentum=0, optimizer.nesterov=True: torch.optim.SGD says: Nesterov momentum requires a "
+            "momentum and zero dampening",
+        ),
+        (["scheduler=step", "scheduler.step_epochs=0"], "scheduler.step_epochs=0: must be positive"),
+        (["scheduler=cosine", "scheduler.min_lr_ratio=2"], "scheduler.min_lr_ratio=2: must be between 0 and 1"),
+    ],
+)
+def test_a_value_the_optimizer_or_scheduler_refuses_ends_the_run_before_any_rank(run_train, overrides, message):
+    """checks.check_optimization builds both on one CPU parameter in the launcher: the ranks would otherwise each
+    fail with a traceback from inside Hydra's instantiate (or, for the schedules, at their first step)."""
+    run = run_train("parallel=ddp", *overrides)
+    assert assert_rejected(run, message).endswith(message)
+    assert "[rank " not in run.output  # no rank started
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_without_cuda(run_train):
     assert_rejected(run_train("device=cuda"), "device=cuda: CUDA is not available")

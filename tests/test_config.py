@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from torch.utils.data import TensorDataset
 
 from conftest import REPO, compose_train
-from hydraloop.checks import check_arguments
+from hydraloop.checks import check_arguments, check_optimization
 from hydraloop.data.loaders import ShardSampler, build_loaders
 from hydraloop.seeding import epoch_seed
 
@@ -46,11 +46,12 @@ NEEDS = {  # the values an option requires (???), or the data it is meant for
 
 
 @pytest.mark.parametrize("option", SHIPPED_OPTIONS)
-def test_every_shipped_option_passes_the_argument_check(option):
-    """checks.check_arguments refuses a key its node's _target_ does not take; no shipped config has one (the
-    refusals themselves: test_bad_input.py)."""
-    cfg = compose_train(option, *NEEDS.get(option, []))
-    check_arguments(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)))
+def test_every_shipped_option_passes_the_argument_and_optimization_checks(option):
+    """checks.check_arguments refuses a key its node's _target_ does not take, check_optimization a value the
+    optimizer or the scheduler refuses; no shipped config has either (the refusals themselves: test_bad_input.py)."""
+    cfg = OmegaConf.create(OmegaConf.to_container(compose_train(option, *NEEDS.get(option, [])), resolve=True))
+    check_arguments(cfg)
+    check_optimization(cfg.optimizer, cfg.scheduler)
 
 
 @pytest.mark.parametrize("data, model", list(itertools.product(DATA, MODELS)))

@@ -1,6 +1,7 @@
 """What the schema's types cannot say, checked in the launcher before any rank starts: ranges, how the global batch
 splits over the ranks, k-fold settings, the task's fit to data and model, the keys of every node built with
-`instantiate`, the model's arguments, required values, and the command line's group options. A failed check is a
+`instantiate`, the values the model, the optimizer and the scheduler refuse, required values, and the command line's
+group options. A failed check is a
 ConfigError: one line naming the key and the value, exit 2.
 """
 
@@ -181,6 +182,32 @@ def check_model(model: Any) -> None:
         with torch.device("meta"):
             instantiate(model)
     except Exception as error:  # noqa: BLE001  see above
+        cause = unwrap_instantiation(error)
+        if isinstance(cause, ConfigError):
+            raise cause from None
+
+
+def check_optimization(optimizer: Any, scheduler: Any) -> None:
+    """The optimizer's and the scheduler's checks of their values (torch.optim's `Invalid beta parameter at index 1:
+    1.5`), before any rank starts: their constructors, given one CPU parameter. A ValueError of the optimizer names
+    the keys its message names (else all of them); what else it cannot do with a CPU parameter (a fused kernel that
+    is GPU-only), the ranks meet for real."""
+    try:
+        built = instantiate(optimizer)([torch.zeros(1, requires_grad=True)])
+    except Exception as error:  # noqa: BLE001  see above
+        cause = unwrap_instantiation(error)
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        if isinstance(cause, ValueError):
+            reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+            keys = [key for key in optimizer if not (key.startswith("_") and key.endswith("_"))]
+            named = [key for key in keys if key.rstrip("s").lower() in reason.lower()] or keys
+            values = ", ".join(f"optimizer.{key}={OmegaConf.select(optimizer, key)}" for key in named)
+            raise ConfigError(f"{values}: {optimizer._target_} says: {reason}") from None
+        return
+    try:
+        instantiate(scheduler)(built, total_steps=1, steps_per_epoch=1)
+    except Exception as error:  # noqa: BLE001  the schedulers raise ConfigError on bad values; the rest is theirs
         cause = unwrap_instantiation(error)
         if isinstance(cause, ConfigError):
             raise cause from None
