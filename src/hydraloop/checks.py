@@ -1,8 +1,7 @@
 """What the schema's types cannot say, checked in the launcher before any rank starts: ranges, how the global batch
 splits over the ranks, k-fold settings, the task's fit to data and model, the keys of every node built with
 `instantiate`, the values the model, the optimizer and the scheduler refuse, required values, and the command line's
-group options. A failed check is a
-ConfigError: one line naming the key and the value, exit 2.
+group options. A failed check is a ConfigError: one line naming the key and the value, exit 2.
 """
 
 import contextlib
@@ -22,36 +21,36 @@ from hydra.errors import HydraException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from hydraloop.errors import ConfigError, unwrap_instantiation
+from hydraloop.errors import ConfigError, require, unwrap_instantiation
 
 PRECISIONS = ("32", "bf16", "fp16")
 
 
 def check_config(cfg: Any, world_size: int) -> None:
     """What the schema's types cannot say: ranges, and how the global batch splits over `world_size` ranks."""
-    _require(cfg.mode in ("train", "eval", "predict"), f"mode={cfg.mode}: must be train, eval or predict")
+    require(cfg.mode in ("train", "eval", "predict"), f"mode={cfg.mode}: must be train, eval or predict")
     purpose = {"eval": "evaluate", "predict": "predict with"}.get(cfg.mode)
-    _require(cfg.mode == "train" or cfg.ckpt_path, f"mode={cfg.mode}: needs ckpt_path=<checkpoint to {purpose}>")
-    _require(
+    require(cfg.mode == "train" or cfg.ckpt_path, f"mode={cfg.mode}: needs ckpt_path=<checkpoint to {purpose}>")
+    require(
         cfg.mode != "predict" or cfg.data.predict_path,
         "mode=predict: needs data.predict_path=<.npz or .pt file holding x, the inputs>",
     )
-    _require(cfg.seed >= 0, f"seed={cfg.seed}: must be non-negative")
+    require(cfg.seed >= 0, f"seed={cfg.seed}: must be non-negative")
     batch_size = cfg.data.batch_size
-    _require(batch_size > 0, f"data.batch_size={batch_size}: must be positive")
-    _require(
+    require(batch_size > 0, f"data.batch_size={batch_size}: must be positive")
+    require(
         batch_size % world_size == 0,
         f"data.batch_size={batch_size}: not divisible by the world size {world_size} "
         "(it is the global batch, split evenly over the ranks)",
     )
     workers = cfg.data.num_workers
-    _require(
+    require(
         workers == "auto" or isinstance(workers, int) and not isinstance(workers, bool) and workers >= 0,
         f"data.num_workers={workers}: must be a number of worker processes (0 or more) or auto",
     )
     val_batch_size = cfg.data.val_batch_size
-    _require(val_batch_size is None or val_batch_size > 0, f"data.val_batch_size={val_batch_size}: must be positive")
-    _require(cfg.trainer.max_epochs > 0, f"trainer.max_epochs={cfg.trainer.max_epochs}: must be positive")
+    require(val_batch_size is None or val_batch_size > 0, f"data.val_batch_size={val_batch_size}: must be positive")
+    require(cfg.trainer.max_epochs > 0, f"trainer.max_epochs={cfg.trainer.max_epochs}: must be positive")
     for key in (
         "max_steps",
         "val_every_n_steps",
@@ -61,53 +60,53 @@ def check_config(cfg: Any, world_size: int) -> None:
         "early_stopping.patience",
     ):
         value = OmegaConf.select(cfg.trainer, key)
-        _require(value is None or value > 0, f"trainer.{key}={value}: must be positive, or null")
+        require(value is None or value > 0, f"trainer.{key}={value}: must be positive, or null")
     min_delta = cfg.trainer.early_stopping.min_delta
-    _require(min_delta >= 0, f"trainer.early_stopping.min_delta={min_delta}: must be at least 0")
-    _require(
+    require(min_delta >= 0, f"trainer.early_stopping.min_delta={min_delta}: must be at least 0")
+    require(
         not cfg.trainer.eval_best or cfg.trainer.save_checkpoints,
         "trainer.eval_best=true: needs trainer.save_checkpoints=true, for checkpoints/best.pt",
     )
-    _require(
+    require(
         cfg.trainer.log_every_n_steps > 0,
         f"trainer.log_every_n_steps={cfg.trainer.log_every_n_steps}: must be positive",
     )
     accum = cfg.trainer.grad_accum_steps
-    _require(accum > 0, f"trainer.grad_accum_steps={accum}: must be positive")
-    _require(
+    require(accum > 0, f"trainer.grad_accum_steps={accum}: must be positive")
+    require(
         batch_size % (world_size * accum) == 0,
         f"trainer.grad_accum_steps={accum}: data.batch_size={batch_size} does not split into {world_size} rank(s) "
         f"x {accum} equal micro-batches",
     )
     keep = cfg.trainer.keep_last_k
-    _require(keep >= 1, f"trainer.keep_last_k={keep}: must be at least 1 (the newest checkpoint is one of them)")
+    require(keep >= 1, f"trainer.keep_last_k={keep}: must be at least 1 (the newest checkpoint is one of them)")
     nonfinite = cfg.trainer.nonfinite_loss
-    _require(nonfinite in ("stop", "skip"), f"trainer.nonfinite_loss={nonfinite}: must be stop or skip")
+    require(nonfinite in ("stop", "skip"), f"trainer.nonfinite_loss={nonfinite}: must be stop or skip")
     precision = str(cfg.trainer.precision)
-    _require(precision in PRECISIONS, f"trainer.precision={precision}: must be one of {', '.join(PRECISIONS)}")
+    require(precision in PRECISIONS, f"trainer.precision={precision}: must be one of {', '.join(PRECISIONS)}")
     for key in ("limit_train_batches", "limit_val_batches"):
         limit = cfg.trainer[key]
-        _require(limit is None or limit > 0, f"trainer.{key}={limit}: must be positive, or null for no limit")
+        require(limit is None or limit > 0, f"trainer.{key}={limit}: must be positive, or null for no limit")
     clip = cfg.trainer.grad_clip_norm
-    _require(clip is None or clip > 0, f"trainer.grad_clip_norm={clip}: must be positive, or null for no clipping")
+    require(clip is None or clip > 0, f"trainer.grad_clip_norm={clip}: must be positive, or null for no clipping")
     lr = cfg.optimizer.get("lr")
-    _require(
+    require(
         isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0 < lr < math.inf,
         f"optimizer.lr={lr}: must be a positive finite number",
     )
     mode = cfg.optimized_metric_mode
-    _require(mode in ("max", "min"), f"optimized_metric_mode={mode}: must be max or min")
+    require(mode in ("max", "min"), f"optimized_metric_mode={mode}: must be max or min")
     _check_folds(cfg.data)
 
 
 def _check_folds(data: Any) -> None:
     num_folds, fold = data.num_folds, data.fold
     if num_folds is None:
-        _require(fold == 0, f"data.fold={fold}: needs data.num_folds (k-fold cross-validation)")
+        require(fold == 0, f"data.fold={fold}: needs data.num_folds (k-fold cross-validation)")
         return
-    _require(num_folds >= 2, f"data.num_folds={num_folds}: must be at least 2, or null for no k-fold")
-    _require(0 <= fold < num_folds, f"data.fold={fold}: must be in [0, data.num_folds={num_folds})")
-    _require(
+    require(num_folds >= 2, f"data.num_folds={num_folds}: must be at least 2, or null for no k-fold")
+    require(0 <= fold < num_folds, f"data.fold={fold}: must be in [0, data.num_folds={num_folds})")
+    require(
         "num_folds" in data.dataset,
         f"data.num_folds={num_folds}: the data set {data.dataset.get('_target_')} takes no num_folds "
         "(see hydraloop.data.folds for how the in-memory data sets do k-fold)",
@@ -118,7 +117,7 @@ def check_task(cfg: Any, task: Any) -> None:
     """The task fits the data and model, and reports `optimized_metric`."""
     task.check(cfg)
     metric, reported = cfg.optimized_metric, task.reported_metrics()
-    _require(metric in reported, f"optimized_metric={metric}: the task reports {', '.join(reported)}")
+    require(metric in reported, f"optimized_metric={metric}: the task reports {', '.join(reported)}")
 
 
 # The config nodes the ranks build with hydra.utils.instantiate (some completed in code: the optimizer with the
@@ -228,11 +227,6 @@ def _missing_paths(node: Any, prefix: str = "") -> Iterator[str]:
         yield prefix.rstrip(".")
 
 
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
-
-
 def check_group_options(args: list[str], conf_dir: Path) -> None:
     """`logger=foo` or `-m optimizer=adamw,sgdd`: an option that is neither a file of its group in `conf_dir` nor
     registered in Hydra's ConfigStore is one line listing the group's options, exit 2. Run on the command line's
@@ -252,7 +246,7 @@ def check_group_options(args: list[str], conf_dir: Path) -> None:
             continue
         options = sorted(_group_options(group, override.key_or_group))
         for option in _option_names(override.value()):
-            _require(
+            require(
                 option in options,
                 f"{override.input_line}: {option!r} is not an option of {override.key_or_group} ({', '.join(options)})",
             )

@@ -30,6 +30,12 @@ class ConfigError(ValueError):
         super().__init__(message)
 
 
+def require(condition: bool, message: str) -> None:
+    """Raises ConfigError(message) unless `condition`: the checks' one-liner."""
+    if not condition:
+        raise ConfigError(message)
+
+
 class TrainingDiverged(FloatingPointError):
     """The loss became NaN or infinite. The message names the step and rank; the last checkpoint is intact."""
 

@@ -8,7 +8,7 @@ import math
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
-from hydraloop.errors import ConfigError
+from hydraloop.errors import require
 
 
 def apply_current_step(scheduler: LambdaLR) -> None:
@@ -33,8 +33,8 @@ def cosine_with_warmup(
     warmup_epochs: float = 1.0,
     min_lr_ratio: float = 0.0,
 ) -> LambdaLR:
-    _require(warmup_epochs >= 0, f"scheduler.warmup_epochs={warmup_epochs}: must be at least 0")
-    _require(0 <= min_lr_ratio <= 1, f"scheduler.min_lr_ratio={min_lr_ratio}: must be between 0 and 1")
+    require(warmup_epochs >= 0, f"scheduler.warmup_epochs={warmup_epochs}: must be at least 0")
+    require(0 <= min_lr_ratio <= 1, f"scheduler.min_lr_ratio={min_lr_ratio}: must be between 0 and 1")
     warmup_steps = round(warmup_epochs * steps_per_epoch)
 
     def factor(step: int) -> float:
@@ -50,11 +50,6 @@ def step_decay(
     optimizer: Optimizer, *, total_steps: int, steps_per_epoch: int, step_epochs: int = 30, gamma: float = 0.1
 ) -> LambdaLR:
     """The lr times `gamma` after every `step_epochs` epochs, at the epoch's first step (torch's StepLR, by epoch)."""
-    _require(step_epochs > 0, f"scheduler.step_epochs={step_epochs}: must be positive")
-    _require(gamma > 0, f"scheduler.gamma={gamma}: must be positive")
+    require(step_epochs > 0, f"scheduler.step_epochs={step_epochs}: must be positive")
+    require(gamma > 0, f"scheduler.gamma={gamma}: must be positive")
     return LambdaLR(optimizer, lambda step: gamma ** (step // (step_epochs * steps_per_epoch)))
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)

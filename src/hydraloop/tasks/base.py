@@ -65,10 +65,5 @@ def task_name(cfg: Any) -> str:
     return f"task {cfg.task._target_}"
 
 
-def require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
-
-
 def misfit(task: Task, where: str, found: str, needed: str) -> ConfigError:
     return ConfigError(f"{where}: the training set has {found}; {type(task).__name__} needs {needed}")

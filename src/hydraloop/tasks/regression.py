@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from hydraloop.tasks.base import Task, count, misfit, require, task_name
+from hydraloop.errors import require
+from hydraloop.tasks.base import Task, count, misfit, task_name
 
 
 class Regression(Task):
