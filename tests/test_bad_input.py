@@ -76,12 +76,17 @@ def test_out_of_range_value(run_train, override, message):
             "momentum and zero dampening",
         ),
         (["scheduler=step", "scheduler.step_epochs=0"], "scheduler.step_epochs=0: must be positive"),
+        (["model.dropout=1.5"], "model.dropout=1.5: must be in [0, 1)"),
+        (["model.hidden_sizes=[64,-5]"], "model.hidden_sizes=[64, -5]: must be positive integers"),
+        # An even kernel would change each layer's length, and the head's width with it, in every rank's first step.
+        (["model=cnn", "model.kernel_size=4"], "model.kernel_size=4: must be a positive odd number"),
         (["scheduler=cosine", "scheduler.min_lr_ratio=2"], "scheduler.min_lr_ratio=2: must be between 0 and 1"),
     ],
 )
-def test_a_value_the_optimizer_or_scheduler_refuses_ends_the_run_before_any_rank(run_train, overrides, message):
-    """checks.check_optimization builds both on one CPU parameter in the launcher: the ranks would otherwise each
-    fail with a traceback from inside Hydra's instantiate (or, for the schedules, at their first step)."""
+def test_a_value_the_model_optimizer_or_scheduler_refuses_ends_the_run_before_any_rank(run_train, overrides, message):
+    """checks.check_model and check_optimization build them in the launcher (the model on the meta device, the
+    optimizer and the scheduler on one CPU parameter): the ranks would otherwise each fail with a traceback from
+    inside Hydra's instantiate (or, for a schedule or an even kernel, at their first step)."""
     run = run_train("parallel=ddp", *overrides)
     assert assert_rejected(run, message).endswith(message)
     assert "[rank " not in run.output  # no rank started

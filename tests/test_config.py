@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from torch.utils.data import TensorDataset
 
 from conftest import REPO, compose_train
-from hydraloop.checks import check_arguments, check_optimization
+from hydraloop.checks import check_arguments, check_model, check_optimization
 from hydraloop.data.loaders import ShardSampler, build_loaders
 from hydraloop.seeding import epoch_seed
 
@@ -39,18 +39,20 @@ SHIPPED_OPTIONS = [
 ]
 NEEDS = {  # the values an option requires (???), or the data it is meant for
     "data=tensors": ["data.dataset.path=/nowhere.pt", "data.input_shape=[4]", "data.num_classes=2"],
-    "data=image_folder": ["data.dataset.root=/nowhere"],
-    "experiment=imagenet_resnet50": ["data.dataset.root=/nowhere"],
+    "data=image_folder": ["data.dataset.root=/nowhere", "data.num_classes=10"],  # else counted there: 0
+    "experiment=imagenet_resnet50": ["data.dataset.root=/nowhere", "data.num_classes=1000"],
     "model=gpt": ["data=text", "task=language_model"],
 }
 
 
 @pytest.mark.parametrize("option", SHIPPED_OPTIONS)
-def test_every_shipped_option_passes_the_argument_and_optimization_checks(option):
-    """checks.check_arguments refuses a key its node's _target_ does not take, check_optimization a value the
-    optimizer or the scheduler refuses; no shipped config has either (the refusals themselves: test_bad_input.py)."""
+def test_every_shipped_option_passes_the_launchers_checks_of_keys_and_values(option):
+    """checks.check_arguments refuses a key its node's _target_ does not take, check_model and check_optimization a
+    value the model, the optimizer or the scheduler refuses; no shipped config has either (the refusals themselves:
+    test_bad_input.py)."""
     cfg = OmegaConf.create(OmegaConf.to_container(compose_train(option, *NEEDS.get(option, [])), resolve=True))
     check_arguments(cfg)
+    check_model(cfg.model)
     check_optimization(cfg.optimizer, cfg.scheduler)
 
 

@@ -126,10 +126,15 @@ def test_bad_transforms_or_workers(tmp_path, override, expected):
     [
         ("model.arch=resnet19", "model.arch=resnet19: not a torchvision classification model; closest: resnet18, "),
         ("model.weights=DEFAULT", "model.weights=DEFAULT: expected "),
+        (  # the ValueError of torch.nn.Dropout inside torchvision's constructor, on the meta device
+            "model.arch=efficientnet_b0 +model.dropout=1.5",
+            "model.dropout=1.5: hydraloop.models.torchvision_model.torchvision_model says: dropout probability has "
+            "to be between 0 and 1, but got 1.5",
+        ),
     ],
 )
 def test_bad_torchvision_model_ends_the_run_in_the_launcher(run_train, tmp_path, override, expected):
     root = write_folder(tmp_path / "images", TWO_CLASSES)
-    run = run_train(*tiny(root, "model=torchvision", "parallel=ddp", override))
+    run = run_train(*tiny(root, "model=torchvision", "parallel=ddp", *override.split()))
     assert expected in rejected(run)
     assert "run directory:" not in run.output  # refused before the launch, which logs the config first

@@ -173,43 +173,46 @@ def _import_target(dotted: str, key: str) -> Any:
 
 
 def check_model(model: Any) -> None:
-    """The model's own checks of its arguments (an unknown torchvision arch, named weights not in the cache, a GPT's
-    n_embd that does not split into heads), before any rank starts: its constructor, run on the meta device, which
-    allocates nothing. Only bad input is reported here; whatever else a constructor cannot do on the meta device, the
-    ranks meet for real."""
+    """The model's checks of its values (an unknown torchvision arch, named weights not in the cache, a GPT's n_embd
+    that does not split into heads, a dropout of 1.5), before any rank starts: its constructor, run on the meta
+    device, which allocates nothing. Only bad input is reported here (a ConfigError, or a ValueError, see _refusal);
+    whatever else a constructor cannot do on the meta device, the ranks meet for real."""
     try:
         with torch.device("meta"):
             instantiate(model)
     except Exception as error:  # noqa: BLE001  see above
-        cause = unwrap_instantiation(error)
-        if isinstance(cause, ConfigError):
-            raise cause from None
+        _raise_refusal("model", model, unwrap_instantiation(error))
 
 
 def check_optimization(optimizer: Any, scheduler: Any) -> None:
     """The optimizer's and the scheduler's checks of their values (torch.optim's `Invalid beta parameter at index 1:
-    1.5`), before any rank starts: their constructors, given one CPU parameter. A ValueError of the optimizer names
-    the keys its message names (else all of them); what else it cannot do with a CPU parameter (a fused kernel that
-    is GPU-only), the ranks meet for real."""
+    1.5`), before any rank starts: their constructors, given one CPU parameter. Only bad input is reported, as for
+    the model: what else an optimizer cannot do with a CPU parameter (a fused kernel that is GPU-only), the ranks meet
+    for real."""
     try:
         built = instantiate(optimizer)([torch.zeros(1, requires_grad=True)])
     except Exception as error:  # noqa: BLE001  see above
-        cause = unwrap_instantiation(error)
-        if isinstance(cause, ConfigError):
-            raise cause from None
-        if isinstance(cause, ValueError):
-            reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
-            keys = [key for key in optimizer if not (key.startswith("_") and key.endswith("_"))]
-            named = [key for key in keys if key.rstrip("s").lower() in reason.lower()] or keys
-            values = ", ".join(f"optimizer.{key}={OmegaConf.select(optimizer, key)}" for key in named)
-            raise ConfigError(f"{values}: {optimizer._target_} says: {reason}") from None
+        _raise_refusal("optimizer", optimizer, unwrap_instantiation(error))
         return
     try:
         instantiate(scheduler)(built, total_steps=1, steps_per_epoch=1)
-    except Exception as error:  # noqa: BLE001  the schedulers raise ConfigError on bad values; the rest is theirs
-        cause = unwrap_instantiation(error)
-        if isinstance(cause, ConfigError):
-            raise cause from None
+    except Exception as error:  # noqa: BLE001  see above
+        _raise_refusal("scheduler", scheduler, unwrap_instantiation(error))
+
+
+def _raise_refusal(path: str, node: Any, cause: BaseException) -> None:
+    """Raises bad input a constructor found in its config node as one line: its ConfigError (which names the key)
+    as it is, and a ValueError (torch's and torchvision's own checks: `dropout probability has to be between 0 and
+    1`) with the keys its message names, else all of the node's. Anything else is not reported here."""
+    if isinstance(cause, ConfigError):
+        raise cause from None
+    if not isinstance(cause, ValueError):
+        return
+    reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+    keys = [key for key in node if not (key.startswith("_") and key.endswith("_"))]
+    named = [key for key in keys if key.rstrip("s").lower() in reason.lower()] or keys
+    values = ", ".join(f"{path}.{key}={OmegaConf.select(node, key)}" for key in named)
+    raise ConfigError(f"{values}: {node._target_} says: {reason}") from None
 
 
 def check_required(cfg: Any) -> None:

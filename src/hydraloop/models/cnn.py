@@ -3,7 +3,9 @@ from collections.abc import Sequence
 
 from torch import Tensor, nn
 
+from hydraloop.errors import require
 from hydraloop.keyed_dropout import KeyedDropout
+from hydraloop.models.mlp import check_sizes
 
 
 class CNN(nn.Module):
@@ -23,8 +25,15 @@ class CNN(nn.Module):
     ) -> None:
         super().__init__()
         shape = list(input_shape) if len(input_shape) > 1 else [1, *input_shape]
-        if len(shape) not in (2, 3):
-            raise ValueError(f"CNN takes (C, L) or (C, H, W) inputs, got input_shape={list(input_shape)}")
+        require(len(shape) in (2, 3), f"data.input_shape={list(input_shape)}: model=cnn takes (C, L) or (C, H, W)")
+        check_sizes("channels", channels)
+        check_sizes("hidden_size", [hidden_size])
+        # Odd: `padding=kernel_size // 2` then keeps each layer's length, which the head's width is computed from.
+        require(
+            isinstance(kernel_size, int) and kernel_size > 0 and kernel_size % 2 == 1,
+            f"model.kernel_size={kernel_size}: must be a positive odd number",
+        )
+        require(0 <= dropout < 1, f"model.dropout={dropout}: must be in [0, 1)")
         conv, pool = (nn.Conv1d, nn.MaxPool1d) if len(shape) == 2 else (nn.Conv2d, nn.MaxPool2d)
         self.input_shape = shape
         in_channels, spatial = shape[0], shape[1:]

@@ -3,6 +3,7 @@ from collections.abc import Sequence
 
 from torch import Tensor, nn
 
+from hydraloop.errors import require
 from hydraloop.keyed_dropout import KeyedDropout
 
 
@@ -18,6 +19,8 @@ class MLP(nn.Module):
         dropout: float = 0.0,
     ) -> None:
         super().__init__()
+        check_sizes("hidden_sizes", hidden_sizes)
+        require(0 <= dropout < 1, f"model.dropout={dropout}: must be in [0, 1)")
         layers: list[nn.Module] = [nn.Flatten()]
         width = math.prod(input_shape)
         for index, hidden in enumerate(hidden_sizes):
@@ -30,3 +33,11 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)
+
+
+def check_sizes(key: str, sizes: Sequence[int]) -> None:
+    """Layer widths: positive integers (torch would fail later, in every rank, at a negative one)."""
+    require(
+        all(isinstance(size, int) and size > 0 for size in sizes),
+        f"model.{key}={list(sizes)}: must be positive integers",
+    )
