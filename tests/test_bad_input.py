@@ -50,6 +50,14 @@ def assert_rejected_by_hydra(run, *expected: str) -> None:
         ("trainer.limit_train_batches=0", "trainer.limit_train_batches=0: must be positive"),
         ("trainer.keep_last_k=0", "trainer.keep_last_k=0: must be at least 1"),
         ("trainer.cpu_threads=0", "trainer.cpu_threads=0: must be positive, or null"),
+        # Found where the data set is built, in the rank: a split or a batch that leaves an epoch without a step.
+        ("data.dataset.val_fraction=1.5", "data.dataset.val_fraction=1.5: must be between 0 and 1 (exclusive)"),
+        ("data=synthetic data.dataset.num_val=0", "data.dataset.num_val=0: must be positive"),
+        (
+            "data.batch_size=2048",
+            "data.batch_size=2048: more than the training set's 1438 samples; with data.drop_last=true an epoch "
+            "would have no step (lower data.batch_size, or set data.drop_last=false)",
+        ),
         # A key its _target_ does not take (keys of built nodes are free-form), and a _target_ that is not there.
         ("+model.widht=3", "model.widht=3: hydraloop.models.mlp.MLP takes no argument 'widht' (it takes input_shape,"),
         (
@@ -60,7 +68,7 @@ def assert_rejected_by_hydra(run, *expected: str) -> None:
     ],
 )
 def test_out_of_range_value(run_train, override, message):
-    assert_rejected(run_train(override), message)
+    assert_rejected(run_train(*override.split()), message)
 
 
 @pytest.mark.parametrize(

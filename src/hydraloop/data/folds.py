@@ -21,8 +21,15 @@ def train_val_split(
     samples; either way fixed by `split_seed` alone."""
     if num_folds is not None:
         return fold_split(labels, num_folds, fold, split_seed)
-    order = torch.from_numpy(np.random.default_rng(split_seed).permutation(len(labels)))
+    if not 0 < val_fraction < 1:
+        raise ConfigError(f"data.dataset.val_fraction={val_fraction}: must be between 0 and 1 (exclusive)")
     num_val = int(round(len(labels) * val_fraction))
+    if not 0 < num_val < len(labels):
+        raise ConfigError(
+            f"data.dataset.val_fraction={val_fraction}: leaves {num_val} of {len(labels)} samples for validation "
+            f"and {len(labels) - num_val} for training; both need at least one"
+        )
+    order = torch.from_numpy(np.random.default_rng(split_seed).permutation(len(labels)))
     return order[num_val:], order[:num_val]
 
 

@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset, get_worker_info
 
 from hydraloop.data.batch_transforms import CollateThenTransform, split_elementwise_tail
-from hydraloop.errors import ConfigError
+from hydraloop.errors import ConfigError, require
 
 
 class ResumableSampler(DistributedSampler):
@@ -175,6 +175,13 @@ def build_loaders(
     # The sampler drops (rather than pads) the tail that does not split evenly over the ranks, so no rank
     # takes an extra batch of duplicated samples that one process would not see.
     batch_size, val_batch_size = global_batch_size // world_size, max(1, global_val_batch_size // world_size)
+    for split, dataset in (("training", train_set), ("validation", val_set)):
+        require(len(dataset) > 0, f"data.dataset: the {split} set is empty")
+    require(
+        not drop_last or len(train_set) >= global_batch_size,
+        f"data.batch_size={global_batch_size}: more than the training set's {len(train_set)} samples; with "
+        "data.drop_last=true an epoch would have no step (lower data.batch_size, or set data.drop_last=false)",
+    )
     if num_workers == "auto":
         num_workers = auto_num_workers()
     train_sampler = ResumableSampler(

@@ -4,6 +4,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from hydraloop.data.folds import fold_split
+from hydraloop.errors import require
 
 
 def make_synthetic(
@@ -20,6 +21,8 @@ def make_synthetic(
 
     With `num_folds`, fold `fold` of all `num_train + num_val` samples (chosen by `split_seed`) is the validation
     set."""
+    for key, count in (("num_train", num_train), ("num_val", num_val)):
+        require(count > 0, f"data.dataset.{key}={count}: must be positive")
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(num_train + num_val, *input_shape, generator=generator)
     teacher = torch.randn(math.prod(input_shape), num_classes, generator=generator)

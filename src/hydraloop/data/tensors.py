@@ -70,12 +70,6 @@ def load_tensors(
             f"data.dataset.val_fraction={val_fraction}: must be between 0 and 1 (exclusive), "
             f"or give '{x_val_key}' and '{y_val_key}' in the file"
         )
-    num_val = int(round(len(y) * val_fraction))
-    if num_folds is None and not 0 < num_val < len(y):
-        raise ConfigError(
-            f"data.dataset.val_fraction={val_fraction}: leaves {num_val} of {len(y)} samples for validation "
-            f"and {len(y) - num_val} for training; both need at least one"
-        )
     train, val = train_val_split(y, val_fraction, split_seed, num_folds, fold)
     return TensorDataset(x[train], y[train]), TensorDataset(x[val], y[val])
 
