@@ -50,6 +50,7 @@ def assert_rejected_by_hydra(run, *expected: str) -> None:
         ("trainer.limit_train_batches=0", "trainer.limit_train_batches=0: must be positive"),
         ("trainer.keep_last_k=0", "trainer.keep_last_k=0: must be at least 1"),
         ("trainer.cpu_threads=0", "trainer.cpu_threads=0: must be positive, or null"),
+        ("data.prefetch_factor=0", "data.prefetch_factor=0: must be positive, or null"),
         # Found where the data set is built, in the rank: a split or a batch that leaves an epoch without a step.
         ("data.dataset.val_fraction=1.5", "data.dataset.val_fraction=1.5: must be between 0 and 1 (exclusive)"),
         ("data=synthetic data.dataset.num_val=0", "data.dataset.num_val=0: must be positive"),

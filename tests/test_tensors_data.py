@@ -233,6 +233,7 @@ def test_missing_file_through_the_cli(run_train, tmp_path):
     run = run_train("data=tensors", f"data.dataset.path={path}", "data.input_shape=[20]", "data.num_classes=3")
     error = bad_input_line(run)
     assert error.endswith(f"data.dataset.path={path}: no such file"), error
+    assert "run directory:" not in run.output  # found by data.check in the launcher, which logs that first
     assert not (run.run_dir / "metrics.json").exists()
 
 

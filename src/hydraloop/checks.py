@@ -50,6 +50,8 @@ def check_config(cfg: Any, world_size: int) -> None:
     )
     val_batch_size = cfg.data.val_batch_size
     require(val_batch_size is None or val_batch_size > 0, f"data.val_batch_size={val_batch_size}: must be positive")
+    prefetch = cfg.data.prefetch_factor
+    require(prefetch is None or prefetch > 0, f"data.prefetch_factor={prefetch}: must be positive, or null")
     require(cfg.trainer.max_epochs > 0, f"trainer.max_epochs={cfg.trainer.max_epochs}: must be positive")
     for key in (
         "max_steps",

@@ -74,15 +74,15 @@ def load_tensors(
     return TensorDataset(x[train], y[train]), TensorDataset(x[val], y[val])
 
 
+def check_file(path: str) -> None:
+    """`data.check`: the file is there and of a kind read here, checked in the launcher before any rank starts
+    (reading it is the ranks' work)."""
+    _check_path(Path(str(path)), f"data.dataset.path={path}")
+
+
 def read_arrays(path: Path, where: str) -> dict[str, torch.Tensor]:
     """A .npz or .pt file's arrays as tensors, by name (`where` names the config key in errors)."""
-    if not path.is_file():
-        absolute = f" ({path.resolve()})" if not path.is_absolute() else ""
-        problem = "a directory, not a file" if path.is_dir() else "no such file"
-        raise ConfigError(f"{where}: {problem}{absolute}")
-    suffix = path.suffix.lower()
-    if suffix not in SUFFIXES:
-        raise ConfigError(f"{where}: unsupported file type '{suffix or path.name}'; use {' or '.join(SUFFIXES)}")
+    suffix = _check_path(path, where)
     try:
         if suffix == ".npz":
             with np.load(path, allow_pickle=False) as npz:
@@ -103,6 +103,18 @@ def read_arrays(path: Path, where: str) -> dict[str, torch.Tensor]:
                 raise ConfigError(f"{where}: '{key}' has dtype {value.dtype}, which is not numeric") from None
         arrays[str(key)] = value  # anything else is rejected by _checked, if it is a key we use
     return arrays
+
+
+def _check_path(path: Path, where: str) -> str:
+    """The file's suffix, once it is known to be a file of a kind read here."""
+    if not path.is_file():
+        absolute = f" ({path.resolve()})" if not path.is_absolute() else ""
+        problem = "a directory, not a file" if path.is_dir() else "no such file"
+        raise ConfigError(f"{where}: {problem}{absolute}")
+    suffix = path.suffix.lower()
+    if suffix not in SUFFIXES:
+        raise ConfigError(f"{where}: unsupported file type '{suffix or path.name}'; use {' or '.join(SUFFIXES)}")
+    return suffix
 
 
 def _checked(
