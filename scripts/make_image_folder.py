@@ -56,6 +56,8 @@ def main() -> None:
     parser.add_argument("root", nargs="?", type=Path, default=DEFAULT_ROOT)
     parser.add_argument("--size", type=int, default=32, help="side of the square PNGs, in pixels")
     args = parser.parse_args()
+    if args.size < 1:
+        parser.error(f"--size {args.size}: must be a positive number of pixels")
     existed = args.root.exists()
     write_digits(args.root, args.size)
     print(f"{args.root}: {'already there, left as it is' if existed else 'written'}")

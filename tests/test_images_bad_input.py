@@ -1,6 +1,9 @@
 """Images from disk, bad input: a folder, an image, a transform list or a torchvision model that cannot work ends the
-run with one line naming the key and value, exit code 2, before any rank starts where it can be seen there."""
+run with one line naming the key and value, exit code 2, before any rank starts where it can be seen there; and the
+demo folder's script refuses a size of no pixels."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -8,7 +11,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from PIL import Image
 
-from conftest import bad_input_line, compose_train
+from conftest import REPO, bad_input_line, compose_train
 from hydraloop.checks import check_config
 from hydraloop.errors import ConfigError, unwrap_instantiation
 
@@ -138,3 +141,12 @@ def test_bad_torchvision_model_ends_the_run_in_the_launcher(run_train, tmp_path,
     run = run_train(*tiny(root, "model=torchvision", "parallel=ddp", *override.split()))
     assert expected in rejected(run)
     assert "run directory:" not in run.output  # refused before the launch, which logs the config first
+
+
+def test_make_image_folder_refuses_a_size_of_no_pixels(tmp_path, train_env):
+    script = REPO / "scripts" / "make_image_folder.py"
+    command = [sys.executable, str(script), str(tmp_path / "digits"), "--size", "0"]
+    run = subprocess.run(command, env=train_env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert run.stderr.splitlines()[-1] == "make_image_folder.py: error: --size 0: must be a positive number of pixels"
+    assert not (tmp_path / "digits").exists()
