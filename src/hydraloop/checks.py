@@ -21,7 +21,7 @@ from hydra.errors import HydraException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from hydraloop.errors import ConfigError, require, unwrap_instantiation
+from hydraloop.errors import ConfigError, first_line, require, unwrap_instantiation
 
 PRECISIONS = ("32", "bf16", "fp16")
 
@@ -210,7 +210,7 @@ def _raise_refusal(path: str, node: Any, cause: BaseException) -> None:
         raise cause from None
     if not isinstance(cause, ValueError):
         return
-    reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+    reason = first_line(cause)
     keys = [key for key in node if not (key.startswith("_") and key.endswith("_"))]
     named = [key for key in keys if key.rstrip("s").lower() in reason.lower()] or keys
     values = ", ".join(f"{path}.{key}={OmegaConf.select(node, key)}" for key in named)

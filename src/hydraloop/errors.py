@@ -30,6 +30,11 @@ class ConfigError(ValueError):
         super().__init__(message)
 
 
+def first_line(error: BaseException) -> str:
+    """An exception's message, first line only (its type's name when it has none): the reason in a one-line error."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
 def require(condition: bool, message: str) -> None:
     """Raises ConfigError(message) unless `condition`: the checks' one-liner."""
     if not condition:

@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from torch.utils.data import Dataset
 
 from hydraloop.data.loaders import SeededAugmentation
-from hydraloop.errors import ConfigError
+from hydraloop.errors import ConfigError, first_line
 
 SPLITS = ("train", "val")
 DEMO_FOLDER = "digits_images"  # scripts/make_image_folder.py's default, under $XDG_CACHE_HOME/hydraloop
@@ -147,7 +147,7 @@ def _load_rgb(path: str, root: str) -> Any:
     except UnidentifiedImageError:
         reason = "cannot identify image file"  # PIL's own message adds the file object's repr
     except Exception as error:  # truncated or corrupt data, an unreadable file: PIL's errors vary by format
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        reason = first_line(error)
     raise ConfigError(f"data.dataset.root={root}: cannot read image {path}: {reason}")
 
 
@@ -165,7 +165,7 @@ def _compose(configs: Any, key: str) -> Any:
             cause = error
             while cause.__cause__ is not None:  # Hydra's wrappers, down to what the import or the constructor said
                 cause = cause.__cause__
-            reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+            reason = first_line(cause)
             raise ConfigError(f"{key}[{position}]: cannot build it: {reason}") from None
     return v2.Compose(transforms)
 

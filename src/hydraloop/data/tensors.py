@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from hydraloop.data.folds import train_val_split
-from hydraloop.errors import ConfigError
+from hydraloop.errors import ConfigError, first_line
 
 SUFFIXES = (".npz", ".pt")
 
@@ -90,8 +90,7 @@ def read_arrays(path: Path, where: str) -> dict[str, torch.Tensor]:
         else:
             loaded = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # a corrupt or foreign file: say so in one line, without the unpickler's story
-        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise ConfigError(f"{where}: cannot be read as {suffix}: {first_line}") from error
+        raise ConfigError(f"{where}: cannot be read as {suffix}: {first_line(error)}") from error
     if not isinstance(loaded, Mapping):
         raise ConfigError(f"{where}: holds a {type(loaded).__name__}; a .pt file must hold a dict of tensors")
     arrays = {}
