@@ -21,7 +21,7 @@ from hydraloop.parallel.single import SingleDevice
 from hydraloop.perf import Throughput
 from hydraloop.precision import Precision
 from hydraloop.run_writer import NullRunWriter
-from hydraloop.trainer import Trainer, batches_per_epoch
+from hydraloop.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_THREADS = torch.get_num_threads()  # before a workload sets its own
@@ -74,6 +74,7 @@ def hydraloop_epoch(cfg, device: torch.device, elementwise_per_batch: bool = Tru
         drop_last=True,
         device=device,
         on_device=cfg.data.on_device,
+        limit_train_batches=cfg.trainer.limit_train_batches,
         elementwise_per_batch=elementwise_per_batch,
     )
     torch.manual_seed(cfg.seed)
@@ -88,20 +89,20 @@ def hydraloop_epoch(cfg, device: torch.device, elementwise_per_batch: bool = Tru
         model=model,
         optimizer=optimizer,
         scheduler=instantiate(cfg.scheduler)(optimizer, total_steps=10**9, steps_per_epoch=len(loader)),
-        throughput=Throughput(cfg.data.batch_size),
+        throughput=Throughput(),
         seed=cfg.seed,
         optimized_metric=cfg.optimized_metric,
         optimized_metric_mode=cfg.optimized_metric_mode,
         config={},
+        global_batch_size=cfg.data.batch_size,
     )
     epochs = itertools.count()
 
-    steps = batches_per_epoch(loader, cfg.trainer.limit_train_batches)
-
     def epoch() -> int:
-        loader.sampler.set_epoch(next(epochs))
-        trainer.train_epoch(loader, TrainState())
-        return steps * cfg.data.batch_size
+        loader.set_epoch(next(epochs))
+        state = TrainState()
+        trainer.train_epoch(loader, state)
+        return state.epoch_samples
 
     return epoch
 
@@ -160,7 +161,7 @@ def loading_epochs(loader):
     epochs = itertools.count()
 
     def epoch() -> int:
-        loader.sampler.set_epoch(next(epochs))
+        loader.set_epoch(next(epochs))
         return sum(len(targets) for _, targets in loader)
 
     return epoch

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from torch.utils.data import TensorDataset
 
 from conftest import REPO, compose_train
-from hydraloop.checks import check_arguments, check_model, check_optimization
+from hydraloop.arguments import check_arguments, check_model, check_optimization
 from hydraloop.data.loaders import ShardSampler, build_loaders
 from hydraloop.seeding import epoch_seed
 
@@ -150,7 +150,7 @@ def global_batches(size: int, batch_size: int, world_size: int, epoch: int) -> l
     per_rank = []
     for rank in range(world_size):
         loader = make_loaders(dataset, batch_size, rank, world_size)[0]
-        loader.sampler.set_epoch(epoch)
+        loader.set_epoch(epoch)
         per_rank.append([batch[0].tolist() for batch in loader])
     assert len({len(batches) for batches in per_rank}) == 1, "ranks disagree on the number of steps"
     return [sorted(sum(step, [])) for step in zip(*per_rank)]

@@ -1,7 +1,6 @@
 """Images from disk: data=image_folder with random crops and flips that depend on (seed, epoch, sample index) alone,
 model=torchvision, the ImageNet recipe. (Bad input: test_images_bad_input.py.)"""
 
-import itertools
 import os
 import signal
 import subprocess
@@ -43,7 +42,7 @@ def loaders(root: Path, rank: int, world_size: int, num_workers: int):
 
 def train_loader(root: Path, rank: int, world_size: int, num_workers: int, epoch: int, start_batch: int = 0):
     loader, _ = loaders(root, rank, world_size, num_workers)
-    loader.sampler.set_epoch(epoch, start_batch=start_batch)
+    loader.set_epoch(epoch, start_sample=start_batch * 8)
     return loader
 
 
@@ -80,10 +79,11 @@ def test_closing_todtype_and_normalize_run_per_batch_and_make_the_per_sample_lis
     train_set, val_set = instantiate(cfg.data.dataset)
     for num_workers in (0, 1):
         train, val = loaders(image_folder, 0, 1, num_workers)
-        assert isinstance(train.collate_fn, CollateThenTransform) and isinstance(val.collate_fn, CollateThenTransform)
-        assert [type(t).__name__ for t in train.dataset.dataset.transform.transforms][-1] == "ToImage"
-        train.sampler.set_epoch(1)
-        keys = list(itertools.islice(train.sampler, 8))
+        assert isinstance(train.batches.collate_fn, CollateThenTransform)
+        assert isinstance(val.collate_fn, CollateThenTransform)
+        assert [type(t).__name__ for t in train.batches.dataset.dataset.transform.transforms][-1] == "ToImage"
+        train.set_epoch(1)
+        keys = next(iter(train.sampler))
         inputs, targets = next(iter(train))
         whole_lists = [train_set[key] for key in keys]
         assert type(inputs) is torch.Tensor and inputs.dtype == torch.float32

@@ -10,6 +10,7 @@ The training loop says, around each forward pass, which rows of the global batch
 (`global_rows`); anywhere else (evaluation, a model called by hand) KeyedDropout is plain nn.Dropout.
 """
 
+import math
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -98,7 +99,7 @@ class KeyedDropout(nn.Module):
         if keys is None:
             return F.dropout(x, self.p, training=True)
         rows, step_key = keys
-        per_row = x[0].numel()
+        per_row = math.prod(x.shape[1:])  # x[0] would fail on a rank's empty micro-batch
         elements = rows[:, None] * per_row + torch.arange(per_row, dtype=torch.int64, device=x.device)
         keep = _uniform(_mix(elements + step_key * _GOLDEN + self.key_term)) >= self.p
         return x * keep.view(x.shape).to(x.dtype) / (1.0 - self.p)

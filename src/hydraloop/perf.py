@@ -52,25 +52,25 @@ def flops_per_sample(model: nn.Module, tokens_per_sample: int | None) -> float |
 
 
 class Throughput:
-    """Turns an interval's steps and seconds into the perf/ metrics (global: counted over all ranks)."""
+    """Turns an interval's steps, samples and seconds into the perf/ metrics (global: counted over all ranks)."""
 
     def __init__(
         self,
-        global_batch_size: int,
         tokens_per_sample: int | None = None,
         flops_per_sample: float | None = None,
         peak_flops: float | None = None,
         gpus: int = 1,
     ) -> None:
-        self.global_batch_size = global_batch_size
         self.tokens_per_sample = tokens_per_sample
         # Model FLOPs over what all the job's GPUs could do in the same time.
         self.flops_per_sample_over_peak = (
             flops_per_sample / (peak_flops * gpus) if flops_per_sample is not None and peak_flops else None
         )
 
-    def metrics(self, steps: int, seconds: float, data_wait_s: float) -> dict[str, float]:
-        samples_per_sec = steps * self.global_batch_size / seconds
+    def metrics(self, steps: int, samples: int, seconds: float, data_wait_s: float) -> dict[str, float]:
+        """`samples`: the global batches' rows over the `steps` (fewer than steps x batch size for an incomplete
+        last batch)."""
+        samples_per_sec = samples / seconds
         metrics = {
             "train/samples_per_sec": samples_per_sec,
             "perf/samples_per_sec": samples_per_sec,

@@ -1,15 +1,15 @@
 """DataLoaders that give every rank its shard while keeping one global sample order.
 
-Training uses DistributedSampler with the run's seed on every rank (also with one process, as a 1-replica sampler).
-Global batch k is then the contiguous slice [k*B, (k+1)*B) of the epoch's permutation whatever the world size, so
-single-process training visits the same samples per step as DDP. With drop_last the incomplete tail (and with it
-the sampler's padding) is dropped, which keeps that true for the last step too. A training set wrapped in
-SeededAugmentation draws its random transforms per sample from (seed, epoch, index) alone, so the samples
-themselves are those of single-process training too, whatever the number of ranks and workers.
+Training draws each epoch's permutation from the run's seed on every rank (also with one process) and deals each
+global batch's rows to the ranks in turn (GlobalBatchSampler): global batch k is the slice [k*B, (k+1)*B) of the
+permutation whatever the world size, so single-process training visits the same samples per step as DDP, the
+incomplete last batch included when drop_last is off. A training set wrapped in SeededAugmentation draws its random
+transforms per sample from (seed, epoch, index) alone, so the samples themselves are those of single-process
+training too, whatever the number of ranks and workers.
 """
 
 import gc
-import itertools
+import math
 import os
 import random
 from collections.abc import Iterator
@@ -18,36 +18,130 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset, get_worker_info
+from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, TensorDataset, get_worker_info
 
+from hydraloop.batches import slice_rows
 from hydraloop.data.batch_transforms import CollateThenTransform, split_elementwise_tail
 from hydraloop.errors import ConfigError, require
 
 
-class ResumableSampler(DistributedSampler):
-    """DistributedSampler whose epoch can begin part-way, after its first `start_batch` batches: a run resumed from a
-    mid-epoch checkpoint sees the rest of the epoch the uninterrupted run saw, without loading what it skips.
+class GlobalBatchSampler(Sampler[list]):
+    """This rank's part of every global batch of an epoch: one global sample order, whatever the world size.
 
-    Every rank skips `start_batch` of its own batches, which together are the first `start_batch` global batches.
-    With `keyed_by_epoch` it yields (epoch, index) pairs, the keys SeededAugmentation takes.
+    An epoch is a permutation of the training set (seeded with `seed + epoch`, as DistributedSampler draws it), cut
+    into global batches of `global_batch_size` consecutive positions; rank r takes rows r, r + W, r + 2W, ... of each
+    (W ranks). Global batch k is then the slice [kB, (k+1)B) of the permutation under any world size, and row j of a
+    rank's batch is row r + W·j of the global one (what KeyedDropout keys on). With `drop_last` the incomplete last
+    batch is left out; without, it is kept whole and unpadded: a rank may then hold a row less than another, or none
+    (a batch of fewer rows than ranks), and the loop weights each rank's rows by the global batch's.
+
+    An epoch can begin at any sample (`set_epoch(epoch, start_sample)`): a mid-epoch checkpoint stores its position
+    in samples, so a run resumed under another batch size or world size continues at the sample it stopped at,
+    without loading what it skips. `limit_batches` ends every epoch after that many global batches of the current
+    size. With `keyed_by_epoch` it yields (epoch, index) keys, which SeededAugmentation takes.
     """
 
-    def __init__(self, *args, batch_size: int, keyed_by_epoch: bool = False, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.batch_size = batch_size
+    def __init__(
+        self,
+        num_samples: int,
+        global_batch_size: int,
+        rank: int,
+        world_size: int,
+        *,
+        seed: int,
+        shuffle: bool = True,
+        drop_last: bool = True,
+        limit_batches: int | None = None,
+        keyed_by_epoch: bool = False,
+    ) -> None:
+        self.num_samples, self.global_batch_size = num_samples, global_batch_size
+        self.rank, self.world_size = rank, world_size
+        self.seed, self.shuffle, self.drop_last, self.limit_batches = seed, shuffle, drop_last, limit_batches
         self.keyed_by_epoch = keyed_by_epoch
-        self.start_batch = 0
+        self.set_epoch(0)
 
-    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        super().set_epoch(epoch)
-        self.start_batch = start_batch
+    def set_epoch(self, epoch: int, start_sample: int = 0) -> None:
+        self.epoch, self.start_sample = epoch, start_sample
+        self.end = self._end(start_sample)
+        """One past the epoch's last position: where it ends."""
 
-    def __iter__(self) -> Iterator[int] | Iterator[tuple[int, int]]:
-        indices = itertools.islice(super().__iter__(), self.start_batch * self.batch_size, None)
-        return zip(itertools.repeat(self.epoch), indices) if self.keyed_by_epoch else indices
+    def _end(self, start_sample: int) -> int:
+        batch = self.global_batch_size
+        end = min(self.num_samples, batch * self.limit_batches) if self.limit_batches else self.num_samples
+        if self.drop_last:  # whole batches only, counted from where the epoch resumes
+            end = start_sample + max(0, end - start_sample) // batch * batch
+        return max(start_sample, end)
+
+    def batches_from(self, start_sample: int) -> int:
+        """Global batches in an epoch that starts (or resumes) at `start_sample`."""
+        return math.ceil((self._end(start_sample) - start_sample) / self.global_batch_size)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Global batches in a whole epoch of the current size, from its first sample."""
+        usable = min(self.num_samples, self.global_batch_size * (self.limit_batches or self.num_samples))
+        full, rest = divmod(usable, self.global_batch_size)
+        return full + (0 if self.drop_last or not rest else 1)
+
+    def global_rows(self, position: int) -> int:
+        """The rows of the global batch that starts at `position` (B, or fewer for an incomplete last one)."""
+        return min(self.global_batch_size, self.end - position)
 
     def __len__(self) -> int:
-        return max(0, super().__len__() - self.start_batch * self.batch_size)
+        """Global batches left in the epoch (from `start_sample`): every rank takes part in each."""
+        return self.batches_from(self.start_sample)
+
+    def __iter__(self) -> Iterator[list]:
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.num_samples, generator=generator).tolist()
+        else:
+            order = list(range(self.num_samples))
+        for start in range(self.start_sample, self.end, self.global_batch_size):
+            indices = order[start : min(start + self.global_batch_size, self.end)][self.rank :: self.world_size]
+            yield [(self.epoch, index) for index in indices] if self.keyed_by_epoch else indices
+
+
+class _NonEmpty(Sampler[list]):
+    """The batches of `sampler` that hold at least one sample: a DataLoader cannot collate an empty one."""
+
+    def __init__(self, sampler: GlobalBatchSampler) -> None:
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[list]:
+        return (indices for indices in self.sampler if indices)
+
+    def __len__(self) -> int:
+        batches = len(self.sampler)
+        last_rows = self.sampler.global_rows(self.sampler.start_sample + (batches - 1) * self.sampler.global_batch_size)
+        return batches - (batches > 0 and last_rows <= self.sampler.rank)
+
+
+class TrainLoader:
+    """This rank's training batches of an epoch: as many as there are global batches, the same on every rank.
+
+    A rank with no row of the epoch's incomplete last batch (see GlobalBatchSampler) gets an empty batch, of the
+    structure of its others, so that it still joins the step's collectives (DDP's gradient all-reduce, FSDP's
+    gathers) with nothing to add.
+    """
+
+    def __init__(self, batches: "DataLoader | DeviceBatches", sampler: GlobalBatchSampler, first_batch: Any) -> None:
+        """`first_batch`: a function returning a batch of the data set's first sample (an empty batch's template)."""
+        self.batches, self.sampler, self.first_batch = batches, sampler, first_batch
+
+    def set_epoch(self, epoch: int, start_sample: int = 0) -> None:
+        self.sampler.set_epoch(epoch, start_sample)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[Any]:
+        batch, count = None, 0
+        for batch in self.batches:
+            count += 1
+            yield batch
+        for _ in range(len(self) - count):
+            yield slice_rows(self.first_batch() if batch is None else batch, 0, 0)
 
 
 class SeededAugmentation(Dataset):
@@ -110,23 +204,22 @@ class ShardSampler(Sampler[int]):
 
 
 class DeviceBatches:
-    """Batches indexed straight out of tensors that live on the device, in the order of `sampler`.
+    """Batches indexed straight out of tensors that live on the device, in the order of `batch_sampler`.
 
-    Same shards and order as a DataLoader over the same sampler, without its per-batch Python, collation and
+    Same shards and order as a DataLoader over the same batch sampler, without its per-batch Python, collation and
     host-to-device copies. For data sets that fit in device memory.
     """
 
-    def __init__(self, tensors: tuple[Tensor, ...], sampler: Sampler[int], batch_size: int, drop_last: bool) -> None:
-        self.tensors, self.sampler, self.batch_size, self.drop_last = tensors, sampler, batch_size, drop_last
+    def __init__(self, tensors: tuple[Tensor, ...], batch_sampler: Sampler[list[int]]) -> None:
+        self.tensors, self.batch_sampler = tensors, batch_sampler
 
     def __len__(self) -> int:
-        full, rest = divmod(len(self.sampler), self.batch_size)
-        return full + (0 if self.drop_last or rest == 0 else 1)
+        return len(self.batch_sampler)
 
     def __iter__(self) -> Iterator[tuple[Tensor, ...]]:
-        order = torch.tensor(list(self.sampler), device=self.tensors[0].device)
-        for start in range(0, len(self) * self.batch_size, self.batch_size):
-            index = order[start : start + self.batch_size]
+        device = self.tensors[0].device
+        for indices in self.batch_sampler:
+            index = torch.tensor(indices, dtype=torch.int64, device=device)
             yield tuple(tensor[index] for tensor in self.tensors)
 
 
@@ -153,6 +246,17 @@ def auto_num_workers() -> int:
     return max(1, cores // ranks_sharing - 1)
 
 
+def check_sizes(train_set: Dataset, val_set: Dataset, global_batch_size: int, drop_last: bool) -> None:
+    """Data sets that leave an epoch without a step, or a validation without a sample: one line."""
+    for split, dataset in (("training", train_set), ("validation", val_set)):
+        require(len(dataset) > 0, f"data.dataset: the {split} set is empty")
+    require(
+        not drop_last or len(train_set) >= global_batch_size,
+        f"data.batch_size={global_batch_size}: more than the training set's {len(train_set)} samples; with "
+        "data.drop_last=true an epoch would have no step (lower data.batch_size, or set data.drop_last=false)",
+    )
+
+
 def build_loaders(
     train_set: Dataset,
     val_set: Dataset,
@@ -168,37 +272,32 @@ def build_loaders(
     shuffle: bool = True,
     on_device: bool = False,
     prefetch_factor: int | None = None,
+    limit_train_batches: int | None = None,
     elementwise_per_batch: bool = True,
-) -> tuple[DataLoader | DeviceBatches, DataLoader | DeviceBatches]:
+) -> tuple[TrainLoader, DataLoader | DeviceBatches]:
     """The training and validation loaders of this rank. `elementwise_per_batch`: an image folder's closing ToDtype
     and Normalize run once per batch (hydraloop.data.batch_transforms); False runs them per sample (benchmark.py)."""
-    # The sampler drops (rather than pads) the tail that does not split evenly over the ranks, so no rank
-    # takes an extra batch of duplicated samples that one process would not see.
-    batch_size, val_batch_size = global_batch_size // world_size, max(1, global_val_batch_size // world_size)
-    for split, dataset in (("training", train_set), ("validation", val_set)):
-        require(len(dataset) > 0, f"data.dataset: the {split} set is empty")
-    require(
-        not drop_last or len(train_set) >= global_batch_size,
-        f"data.batch_size={global_batch_size}: more than the training set's {len(train_set)} samples; with "
-        "data.drop_last=true an epoch would have no step (lower data.batch_size, or set data.drop_last=false)",
-    )
+    val_batch_size = max(1, global_val_batch_size // world_size)
+    check_sizes(train_set, val_set, global_batch_size, drop_last)
     if num_workers == "auto":
         num_workers = auto_num_workers()
-    train_sampler = ResumableSampler(
-        train_set,
-        num_replicas=world_size,
-        rank=rank,
-        shuffle=shuffle,
+    train_sampler = GlobalBatchSampler(
+        len(train_set),
+        global_batch_size,
+        rank,
+        world_size,
         seed=seed,
+        shuffle=shuffle,
         drop_last=drop_last,
-        batch_size=batch_size,
+        limit_batches=limit_train_batches,
         keyed_by_epoch=isinstance(train_set, SeededAugmentation),
     )
-    val_sampler = ShardSampler(len(val_set), rank, world_size)
+    val_batches = BatchSampler(ShardSampler(len(val_set), rank, world_size), val_batch_size, drop_last=False)
     if on_device:
-        return (
-            DeviceBatches(_device_tensors(train_set, device), train_sampler, batch_size, drop_last),
-            DeviceBatches(_device_tensors(val_set, device), val_sampler, val_batch_size, drop_last=False),
+        train_tensors, val_tensors = _device_tensors(train_set, device), _device_tensors(val_set, device)
+        train = DeviceBatches(train_tensors, _NonEmpty(train_sampler))
+        return TrainLoader(train, train_sampler, lambda: tuple(tensor[:1] for tensor in train_tensors)), DeviceBatches(
+            val_tensors, val_batches
         )
     (train_set, train_collate), (val_set, val_collate) = (
         _elementwise_tail_per_batch(dataset) if elementwise_per_batch else (dataset, None)
@@ -221,15 +320,18 @@ def build_loaders(
     )
     train = DataLoader(
         train_set,
-        batch_size=batch_size,
-        sampler=train_sampler,
-        drop_last=drop_last,
+        batch_sampler=_NonEmpty(train_sampler),
         generator=torch.Generator().manual_seed(seed + rank),
         collate_fn=train_collate,
         **common,
     )
-    val = DataLoader(val_set, batch_size=val_batch_size, sampler=val_sampler, collate_fn=val_collate, **common)
-    return train, val
+    collate = train.collate_fn
+
+    def first_batch() -> Any:
+        return collate([train_set[0]])
+
+    val = DataLoader(val_set, batch_sampler=val_batches, collate_fn=val_collate, **common)
+    return TrainLoader(train, train_sampler, first_batch), val
 
 
 def _elementwise_tail_per_batch(dataset: Dataset) -> tuple[Dataset, CollateThenTransform | None]:

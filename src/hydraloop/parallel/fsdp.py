@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 from hydra.utils import instantiate
-from torch import Tensor, nn
+from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.optim import Optimizer
 
+from hydraloop.batches import slice_rows
 from hydraloop.errors import ConfigError
 from hydraloop.parallel.ddp import DDPStrategy
 
@@ -92,7 +93,7 @@ class FSDPStrategy(DDPStrategy):
         super().teardown()
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        model = model.to(self.device)
+        model = self.with_global_batchnorm(model).to(self.device)
         options = dict(reshard_after_forward=self.reshard_after_forward, mp_policy=self.mp_policy, mesh=self.mesh)
         # fully_shard goes bottom-up (a unit takes the parameters no unit below it took); reversed pre-order
         # visits every module after all of its descendants.
@@ -114,7 +115,7 @@ class FSDPStrategy(DDPStrategy):
     def eval_module(self, model: nn.Module) -> nn.Module:
         return model  # unlike DDP, no plain module to fall back on: each rank holds only shards (see eval_batches)
 
-    def eval_batches(self, batches: Iterable[tuple[Tensor, Tensor]], count: int) -> Iterator[tuple[Tensor, Tensor]]:
+    def eval_batches(self, batches: Iterable[Any], count: int) -> Iterator[Any]:
         """Every forward pass all-gathers, so every rank must run as many as the others. The validation shards
         may differ by one sample, and so by one batch: a rank with fewer batches runs the missing passes on an
         empty batch, which adds nothing to the metrics."""
@@ -128,7 +129,7 @@ class FSDPStrategy(DDPStrategy):
         for batch in batches:
             yield batch
         for _ in range(most - count):
-            yield tuple(tensor[:0] for tensor in batch)
+            yield slice_rows(batch, 0, 0)
 
     def state_dicts(self, model: nn.Module, optimizer: Optimizer) -> Callable[[], tuple[dict, dict]]:
         # Gathering the full tensors is a collective that every rank joins, now; only rank 0 receives them, on

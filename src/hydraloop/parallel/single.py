@@ -98,9 +98,13 @@ class SingleDevice:
         """The module to evaluate with: the wrapped one, unless the wrapper communicates in forward."""
         return model
 
-    def eval_batches(self, batches: Iterable[tuple[Tensor, Tensor]], count: int) -> Iterable[tuple[Tensor, Tensor]]:
+    def eval_batches(self, batches: Iterable[Any], count: int) -> Iterable[Any]:
         """This rank's `count` validation batches, as the loop evaluates them: here, as they come."""
         return batches
+
+    def sync_buffers(self, model: nn.Module) -> None:
+        """Gives every rank rank 0's buffers (batch norm's running statistics), before a validation or checkpoint:
+        each rank updates its own from its own shard, and rank 0's are saved. Here, one rank: nothing to do."""
 
     def state_dicts(self, model: nn.Module, optimizer: Optimizer) -> Callable[[], tuple[dict, dict]]:
         """The model's and optimizer's state for a checkpoint, as a plain model and optimizer hold it.

@@ -1,0 +1,101 @@
+"""One optimizer step over a rank's part of a global batch: micro-batches, their weights, gradient synchronisation,
+mixed precision, clipping, and what a non-finite loss does.
+
+Every micro-batch's loss is weighted by its rows over the global batch's (times the world size, since DDP and FSDP
+average gradients over the ranks), so a step's gradient is the mean over the global batch's rows whatever the world
+size, the number of micro-batches, and however unevenly an incomplete last batch splits over them. Every rank runs
+the same number of micro-batches in a step, an empty one where it holds no row of that part of the global batch:
+FSDP gathers parameters in every forward and DDP may broadcast buffers there, collectives all ranks must join. The
+last micro-batch's backward always synchronises gradients.
+"""
+
+import math
+from contextlib import nullcontext
+from typing import Any
+
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from hydraloop.batches import count_rows, slice_rows, tensors
+from hydraloop.keyed_dropout import RowKeys
+from hydraloop.losses import nonfinite_on_any_rank
+from hydraloop.parallel.single import SingleDevice
+from hydraloop.precision import Precision
+from hydraloop.tasks.base import Task
+
+
+class OptimizerStep:
+    def __init__(
+        self,
+        strategy: SingleDevice,
+        precision: Precision,
+        task: Task,
+        model: nn.Module,
+        optimizer: Optimizer,
+        *,
+        global_batch_size: int,
+        grad_accum_steps: int = 1,
+        grad_clip_norm: float | None = None,
+        skip_nonfinite: bool = False,
+        row_keys: RowKeys | None = None,
+    ) -> None:
+        """`model`: the strategy-wrapped model; `row_keys`: for a model with KeyedDropout (None: it has none)."""
+        self.strategy, self.precision, self.task = strategy, precision, task
+        self.model, self.optimizer = model, optimizer
+        self.world_size = strategy.world_size
+        self.grad_accum_steps, self.grad_clip_norm = grad_accum_steps, grad_clip_norm
+        self.skip_nonfinite = skip_nonfinite
+        # Rows of a micro-batch of a complete global batch, per rank (the launcher checks that they divide).
+        self.micro_rows = global_batch_size // (self.world_size * grad_accum_steps)
+        self.row_keys = row_keys
+
+    def __call__(self, batch: Any, global_rows: int, step: int) -> Tensor | None:
+        """Optimizer step `step` (counted from 0) over this rank's `batch`, its part of a global batch of
+        `global_rows` rows. Returns this rank's share of the global batch's mean loss (the ranks' shares add up to
+        it, times the world size), or None if the update was skipped for a non-finite loss."""
+        self.optimizer.zero_grad(set_to_none=True)
+        micro_batches = self.micro_batches(batch, global_rows)
+        last = len(micro_batches) - 1
+        loss_sum = None
+        for i, (micro_batch, first_row, rows) in enumerate(micro_batches):
+            # rows * world_size / global_rows: 1 without accumulation, 1 / grad_accum_steps for a complete batch.
+            share = global_rows / (rows * self.world_size) if rows else 1.0
+            keys = self.row_keys(step, first_row, rows) if self.row_keys else nullcontext()
+            with self.strategy.no_sync(self.model) if i < last else nullcontext():
+                with self.precision.autocast(), keys:
+                    loss = self.micro_batch_loss(micro_batch, rows)
+                self.precision.backward(loss if share == 1.0 else loss / share)
+            weighted = loss.detach() if share == 1.0 else loss.detach() / share
+            loss_sum = weighted if loss_sum is None else loss_sum + weighted
+        if self.skip_nonfinite and nonfinite_on_any_rank(loss_sum, self.strategy):
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
+        if self.grad_clip_norm is not None:
+            # DDP has averaged the gradients by now, so every rank clips by the same global norm. Under FSDP each
+            # rank holds a shard (DTensor) of them, and clip_grad_norm_ takes the norm over all shards.
+            self.precision.unscale_(self.optimizer)
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip_norm)
+        self.precision.step(self.optimizer)
+        return loss_sum
+
+    def micro_batches(self, batch: Any, global_rows: int) -> list[tuple[Any, int, int]]:
+        """(micro-batch, its first row in the batch, its rows) for each part of the global batch that holds a row:
+        the same number on every rank."""
+        rows = count_rows(batch)
+        if self.grad_accum_steps == 1:
+            return [(batch, 0, rows)]
+        size = self.micro_rows
+        count = math.ceil(global_rows / (size * self.world_size))
+        return [
+            (slice_rows(batch, i * size, (i + 1) * size), i * size, max(0, min(size, rows - i * size)))
+            for i in range(count)
+        ]
+
+    def micro_batch_loss(self, micro_batch: Any, rows: int) -> Tensor:
+        """The task's loss (a mean over the rows); for an empty micro-batch a zero that still reaches every
+        parameter the forward pass used, so that this rank's backward joins the gradient reduction."""
+        inputs, targets = micro_batch
+        outputs = self.model(inputs)
+        if rows:
+            return self.task.loss(outputs, targets)
+        return sum(tensor.sum() for _, tensor in tensors(outputs) if tensor.is_floating_point()) * 0.0
