@@ -7,6 +7,8 @@ import os
 import signal
 import time
 
+import torch
+
 from hydraloop.models.mlp import MLP
 
 
@@ -94,3 +96,50 @@ class FailingOnceMLP(RaisingMLP):
     def misbehave(self) -> None:
         if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             super().misbehave()
+
+
+class NaNFromMLP(NaNMLP):
+    """Returns NaN logits at every training step from `fail_at_step` on, on rank `fail_rank`: a run that diverged."""
+
+    @property
+    def diverged_now(self) -> bool:
+        return int(os.environ.get("RANK", 0)) == self.fail_rank and self.steps >= self.fail_at_step
+
+
+class HugeLossMLP(RaisingMLP):
+    """Class 0's logit raised by 5e37 in training: a sample of another class has a finite cross-entropy of about
+    5e37 (float32 ends at 3.4e38) and ordinary gradients. With 2 samples a batch each step's mean loss is finite,
+    while a float32 sum of twenty of them would overflow."""
+
+    def forward(self, x):
+        out = super().forward(x)
+        if not self.training:
+            return out
+        offset = torch.zeros(out.shape[1], device=out.device)
+        offset[0] = 5e37
+        return out + offset
+
+
+class InfGradMLP(RaisingMLP):
+    """A finite loss whose gradient is infinite at one step on one rank: the update makes the weights infinite."""
+
+    def misbehave(self) -> None:
+        first = next(self.parameters())
+        first.register_hook(lambda grad: grad * float("inf") if self.steps == self.fail_at_step else grad)
+
+
+class KillingLogger:
+    """A logger that kills its process at the end of the run, after the last checkpoint and before metrics.json:
+    `+logger.killer._target_=tests.faults.KillingLogger`."""
+
+    def start(self, run) -> None:
+        pass
+
+    def log_metrics(self, metrics, step) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def finish(self, metrics) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)

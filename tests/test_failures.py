@@ -1,9 +1,11 @@
 """A failing or hanging rank ends the whole job with a non-zero exit, its error in the log, and no hang."""
 
+import csv
 import math
 import time
 
 import pytest
+import torch
 
 from conftest import max_param_diff
 
@@ -67,9 +69,21 @@ def test_hung_rank_is_cut_off_by_the_process_group_timeout(run_train):
     "parallel, fail_rank, fail_at_step, message",
     [
         # Detected at the logging step (10), named at the step it happened; nothing saved yet.
-        ("single", 0, 5, "train/loss is nan at step 5 (epoch 1, first on rank 0); the last checkpoint holds epoch 0"),
+        (
+            "single",
+            0,
+            5,
+            "train/loss is nan at step 5 (epoch 1, first on rank 0, at lr 0.003); no checkpoint was saved in this "
+            "run: a rerun starts from scratch",
+        ),
         # Epoch 1 is steps 1-22; rank 1's NaN at step 30 is seen by every rank through the reductions.
-        ("ddp", 1, 30, "train/loss is nan at step 30 (epoch 2, first on rank 1); the last checkpoint holds epoch 1"),
+        (
+            "ddp",
+            1,
+            30,
+            "train/loss is nan at step 30 (epoch 2, first on rank 1, at lr 0.003); checkpoints/last.pt holds step 22, "
+            "where a rerun continues",
+        ),
     ],
 )
 def test_nonfinite_loss_stops_the_run_naming_the_step(run_train, parallel, fail_rank, fail_at_step, message):
@@ -112,3 +126,108 @@ def test_nonfinite_loss_can_skip_the_step_instead(run_train):
     assert math.isfinite(ddp.metrics["train/loss"])
     assert ddp.metrics["train/loss"] == pytest.approx(single.metrics["train/loss"], rel=1e-5)
     assert max_param_diff(ddp.checkpoint()["model"], single.checkpoint()["model"]) < 1e-5
+
+
+def checkpoints_are_finite(run) -> dict[str, int]:
+    """{file name: global step} of every checkpoint in the run directory, each checked to hold finite weights."""
+    steps = {}
+    for path in sorted((run.run_dir / "checkpoints").glob("*.pt")):
+        checkpoint = torch.load(path, weights_only=True)
+        assert all(torch.isfinite(tensor).all() for tensor in checkpoint["model"].values()), path.name
+        steps[path.name] = checkpoint["global_step"]
+    return steps
+
+
+@pytest.mark.parametrize(
+    "fault, checkpoint_every, expected",
+    [
+        # A NaN loss at step 3, with a checkpoint at every step: found before step 3's checkpoint, not at step 10.
+        (
+            "NaNMLP",
+            1,
+            "train/loss is nan at step 3 (epoch 1, first on rank 0, at lr 0.003); checkpoints/last.pt holds step 2",
+        ),
+        # The same found at step 5's checkpoint, the first: none is made.
+        (
+            "NaNMLP",
+            5,
+            "train/loss is nan at step 3 (epoch 1, first on rank 0, at lr 0.003); no checkpoint was saved in this run",
+        ),
+        # A finite loss whose gradient overflows at step 3: the weights are not finite, so step 3 is not saved.
+        ("InfGradMLP", 1, "the weights are NaN or infinite after step 3, from a finite loss; checkpoints/last.pt "),
+    ],
+)
+def test_no_checkpoint_is_made_of_a_nonfinite_loss_or_weights_and_the_good_ones_stay(
+    run_train, fault, checkpoint_every, expected
+):
+    run = run_train(
+        f"model._target_=tests.faults.{fault}",
+        "+model.fail_rank=0",
+        "+model.fail_at_step=3",
+        f"trainer.ckpt_every_n_steps={checkpoint_every}",
+        "trainer.max_epochs=1",
+        "logger=none",
+    )
+    assert run.returncode == 1, run.output
+    assert expected in run.output
+    assert "Traceback" not in run.output
+    found = checkpoints_are_finite(run)
+    if checkpoint_every == 1:  # keep_last_k=2: steps 1 and 2, and last.pt naming step 2
+        assert found == {"last.pt": 2, "step-00000001.pt": 1, "step-00000002.pt": 2}
+    else:
+        assert found == {}
+
+
+def test_a_skipped_step_alone_in_its_logging_interval_is_skipped_like_any_other(run_train):
+    """With a logging step at every step, each interval holds one step: a skipped one must not end the run."""
+    run = run_train(
+        "model._target_=tests.faults.NaNMLP",
+        "+model.fail_rank=0",
+        "+model.fail_at_step=11",
+        "trainer.log_every_n_steps=1",
+        "trainer.nonfinite_loss=skip",
+        "trainer.max_epochs=1",
+        "logger=none",
+    )
+    assert run.returncode == 0, run.output
+    assert run.metrics["skipped_steps"] == 1 and run.metrics["global_step"] == 22
+
+
+def test_consecutive_skipped_steps_end_the_run_wherever_the_logging_steps_fall(run_train):
+    """NaN from step 7 on: trainer.max_consecutive_skips=3 skipped steps in a row (7, 8, 9; the logging step is 10)
+    end the run in one line naming them and the checkpoint a rerun starts from."""
+    run = run_train(
+        "model._target_=tests.faults.NaNFromMLP",
+        "+model.fail_rank=0",
+        "+model.fail_at_step=7",
+        "trainer.nonfinite_loss=skip",
+        "trainer.max_consecutive_skips=3",
+        "trainer.ckpt_every_n_steps=5",
+        "trainer.max_epochs=1",
+        "logger=none",
+    )
+    assert run.returncode == 1, run.output
+    assert "Traceback" not in run.output
+    assert (
+        "train/loss was non-finite at every step from 7 to 9, all skipped (trainer.nonfinite_loss=skip ends the run "
+        "after trainer.max_consecutive_skips=3 in a row); checkpoints/last.pt holds step 5, where a rerun continues"
+    ) in run.output
+    assert checkpoints_are_finite(run)["last.pt"] == 5
+
+
+def test_finite_losses_near_float32s_largest_value_do_not_overflow_their_interval_sum(run_train):
+    """Every step's loss is finite, and twenty of them would sum to infinity in float32. The interval's mean is
+    computed in float64 and logged as the finite number it is (the float32 sum was a traceback)."""
+    run = run_train(
+        "model._target_=tests.faults.HugeLossMLP",
+        "data.batch_size=2",
+        "trainer.log_every_n_steps=20",
+        "trainer.limit_train_batches=40",
+        "trainer.max_epochs=1",
+        "trainer.save_checkpoints=false",
+        "logger=csv",
+    )
+    assert run.returncode == 0 and "Traceback" not in run.output, run.output
+    rows = list(csv.DictReader((run.run_dir / "metrics.csv").open()))
+    losses = [float(row["train/loss"]) for row in rows if row["train/loss"]]
+    assert len(losses) == 2 and all(math.isfinite(loss) and loss > 3.4e38 / 20 for loss in losses), losses

@@ -69,9 +69,12 @@ class TrainerConfig:
     else one per core), or under ddp and fsdp the rank's share of the machine's cores. Training on the CPU with busy
     DataLoader workers, fewer can be faster: the workers need cores too (README, Benchmarks)."""
     nonfinite_loss: str = "stop"
-    """A NaN or infinite loss. stop: end the run at the next logging step, naming the step and rank (free per step).
-    skip: every rank drops that step's update (a collective and a host sync per step to decide); a logging interval
-    of nothing but skipped steps still ends the run."""
+    """A NaN or infinite loss. stop: end the run at the next logging step (or validation, or checkpoint: none is made
+    from it), naming the step and rank (free per step). skip: every rank drops that step's update (a collective and
+    a host sync per step to decide)."""
+    max_consecutive_skips: int = 10
+    """nonfinite_loss=skip: this many skipped steps in a row end the run as diverged (skipping is for the odd bad
+    batch)."""
     profile: bool = False
     """torch.profiler over steps 2-5 of the run (rank 0); the trace goes to tensorboard/profiler/."""
     peak_tflops: float | None = None
@@ -122,7 +125,8 @@ class DataConfig:
     """Sequence data: the number of distinct tokens, read by a language model as model.vocab_size."""
     check: Any = None
     """`_target_` called once in the launcher, before any rank starts, that raises ConfigError on bad data (an image
-    folder's layout, say); null: none."""
+    folder's layout, say), for a data set too costly to build twice; null: the launcher builds the data set itself
+    and checks it (hydraloop.checks.check_data)."""
     image_size: int | None = None
     """Image data: the side of the square crops the model sees; the transforms and input_shape follow from it."""
     train_transforms: Any = None
@@ -157,6 +161,10 @@ class ProcessGroupConfig:
     """Restart all ranks this many times after a failure; they continue from the run's checkpoints/last.pt."""
     shutdown_timeout_s: float = 60.0
     """On a stop signal, how long the ranks get to checkpoint and exit before they are killed."""
+    sync_batchnorm: bool = False
+    """Batch norm over the global batch (torch.nn.SyncBatchNorm on CUDA, hydraloop's GlobalBatchNorm on the CPU):
+    a model with batch norm then trains to single-process training's numbers. false: each rank normalises with its
+    own shard's statistics (pytorch/examples' ImageNet recipe), cheaper, but not single's numbers."""
 
 
 @dataclass

@@ -1,14 +1,13 @@
 """The training loop. It runs identically on every rank, talks to the parallel strategy only through its small
-interface (`all_reduce`, `no_sync`, `eval_module`, `eval_batches`, `state_dicts`), to the objective only through
-the task (`loss`, `statistics`, `metrics_from`), and to the run directory only through the (possibly null) run
-writer."""
+interface (`all_reduce`, `no_sync`, `eval_module`, `eval_batches`, `sync_buffers`, `state_dicts`), to the objective
+only through the task (`loss`, `statistics`, `metrics_from`), and to the run directory only through the (possibly
+null) run writer. One optimizer step is hydraloop.step's."""
 
 import itertools
 import logging
 import math
 import operator
 import time
-from contextlib import nullcontext
 from typing import Any, NoReturn
 
 import torch
@@ -18,11 +17,13 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from hydraloop.batches import map_tensors, to_device
 from hydraloop.checkpoint import TrainState, checkpoint_state
+from hydraloop.data.loaders import GlobalBatchSampler, TrainLoader
 from hydraloop.early_stopping import EarlyStopping
-from hydraloop.errors import Interrupted
+from hydraloop.errors import Interrupted, TrainingDiverged
 from hydraloop.keyed_dropout import KeyedDropout, RowKeys
-from hydraloop.losses import Interval, check_finite, check_not_all_skipped, nonfinite_on_any_rank
+from hydraloop.losses import Interval, check_finite, check_finite_weights
 from hydraloop.parallel.single import SingleDevice
 from hydraloop.perf import Throughput, interval_peak_memory_gb
 from hydraloop.precision import Precision
@@ -30,20 +31,21 @@ from hydraloop.preemption import STOP_SIGNALS, StopRequest
 from hydraloop.profiling import NullProfiler
 from hydraloop.run_writer import NullRunWriter
 from hydraloop.seeding import StepSeeder, epoch_seed, seed_everything
+from hydraloop.step import OptimizerStep
 from hydraloop.tasks.base import Task
 
 log = logging.getLogger(__name__)
 
 
-def planned_steps(settings: Any, steps_per_epoch: int) -> int:
-    """The optimizer steps of the whole run (`settings`: the trainer config), which schedules plan for."""
-    return settings.max_steps or settings.max_epochs * steps_per_epoch
-
-
-def batches_per_epoch(loader: DataLoader, limit: int | None, skipped: int = 0) -> int:
-    """Steps in a whole epoch; `skipped`: batches the loader leaves out of this one (see ResumableSampler)."""
-    full = len(loader) + skipped
-    return min(full, limit or full)
+def planned_steps(max_steps: int | None, max_epochs: int, state: TrainState, sampler: GlobalBatchSampler) -> int:
+    """The optimizer steps of the whole run, which schedules plan for: `max_steps`, else the steps done so far and
+    those the epochs still to come will take (with today's batch size: a resume may have changed it)."""
+    if max_steps:
+        return max_steps
+    if state.epoch >= max_epochs:
+        return state.global_step
+    rest_of_epoch = sampler.batches_from(state.epoch_samples)
+    return state.global_step + rest_of_epoch + (max_epochs - state.epoch - 1) * sampler.steps_per_epoch
 
 
 class Trainer:
@@ -63,10 +65,15 @@ class Trainer:
         optimized_metric: str,
         optimized_metric_mode: str,
         config: dict[str, Any],
+        global_batch_size: int,
         stop_request: StopRequest | None = None,
+        rerun_starts_from: str = "scratch",
+        validated: dict[str, float] | None = None,
     ) -> None:
         """`settings` is the `trainer` config node (see hydraloop.config.TrainerConfig for each key); `model` is the
-        strategy-wrapped model; `stop_request` is set by a stop signal (see hydraloop.preemption)."""
+        strategy-wrapped model; `stop_request` is set by a stop signal (see hydraloop.preemption);
+        `rerun_starts_from`: where a rerun into this run directory starts while this run has saved nothing (said
+        when the run fails); `validated`: the metrics of the resumed checkpoint's step, if it holds them."""
         self.strategy, self.writer, self.precision, self.task = strategy, writer, precision, task
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.max_epochs = settings.max_epochs
@@ -74,11 +81,8 @@ class Trainer:
         self.val_every_n_steps = settings.val_every_n_steps
         self.ckpt_every_n_steps = settings.ckpt_every_n_steps
         self.log_every_n_steps = settings.log_every_n_steps
-        self.grad_clip_norm = settings.grad_clip_norm
-        self.grad_accum_steps = settings.grad_accum_steps
-        self.skip_nonfinite = settings.nonfinite_loss == "skip"
+        self.max_consecutive_skips = settings.max_consecutive_skips
         self.save_checkpoints = settings.save_checkpoints
-        self.limit_train_batches = settings.limit_train_batches
         self.limit_val_batches = settings.limit_val_batches
         self.channels_last = settings.channels_last
         self.throughput = throughput
@@ -93,25 +97,43 @@ class Trainer:
         self.seed_step = StepSeeder(seed, strategy.rank, strategy.devices)
         # Only for a model that has KeyedDropout: every other model pays nothing for it.
         keyed = any(isinstance(module, KeyedDropout) for module in model.modules())
-        self.row_keys = RowKeys(seed, strategy.rank, strategy.world_size, strategy.device) if keyed else None
+        row_keys = RowKeys(seed, strategy.rank, strategy.world_size, strategy.device) if keyed else None
+        self.step = OptimizerStep(
+            strategy,
+            precision,
+            task,
+            model,
+            optimizer,
+            global_batch_size=global_batch_size,
+            grad_accum_steps=settings.grad_accum_steps,
+            grad_clip_norm=settings.grad_clip_norm,
+            skip_nonfinite=settings.nonfinite_loss == "skip",
+            row_keys=row_keys,
+        )
         self.progress, self.profiler = tqdm(disable=True), NullProfiler()  # fit() swaps in the writer's
-        self.validated_at = self.saved_at = -1  # global steps of the latest validation and checkpoint
+        self.saved_at = -1  # the global step of this run's latest checkpoint
+        self.rerun_starts_from = rerun_starts_from
+        self.validated = validated or {}
+        self.validated_at = -1  # the global step of the latest validation (see fit for a resumed one)
 
     def finished(self, state: TrainState) -> bool:
         if state.stopped_early:
             return True
         return state.global_step >= self.max_steps if self.max_steps else state.epoch >= self.max_epochs
 
-    def fit(self, train_loader: DataLoader, val_loader: DataLoader, state: TrainState) -> dict[str, Any]:
+    def fit(self, train_loader: TrainLoader, val_loader: DataLoader, state: TrainState) -> dict[str, Any]:
         """Trains from `state` to `max_epochs` (or `max_steps`), validating and checkpointing after each epoch, every
         `val_every_n_steps` / `ckpt_every_n_steps` steps, and at the end.
 
-        On a stop signal, checkpoints after the next logging step (or epoch end) and raises Interrupted.
+        On a stop signal, checkpoints at the next point where the ranks meet (a logging, validation or checkpoint
+        step, or the epoch end) and raises Interrupted.
         """
-        start = time.perf_counter()
-        train_loss, val_metrics = None, None
+        start, start_step = time.perf_counter(), state.global_step
+        val_metrics = None
+        if self.validated:  # a checkpoint of a validated step: validating it again would log its metrics twice
+            self.validated_at, val_metrics = state.global_step, self.validated
         self.val_loader = val_loader
-        total_steps = planned_steps(self, batches_per_epoch(train_loader, self.limit_train_batches))
+        total_steps = planned_steps(self.max_steps, self.max_epochs, state, train_loader.sampler)
         with (
             self.writer.progress(total_steps, state.global_step) as self.progress,
             self.writer.profiler() as self.profiler,
@@ -119,22 +141,25 @@ class Trainer:
             while not self.finished(state):
                 seed_everything(epoch_seed(self.seed, self.strategy.rank, state.epoch))
                 # A new permutation per epoch, the same on every rank; after a mid-epoch checkpoint, its rest.
-                train_loader.sampler.set_epoch(state.epoch, start_batch=state.epoch_step)
-                train_loss, epoch_done = self.train_epoch(train_loader, state)
+                train_loader.set_epoch(state.epoch, start_sample=state.epoch_samples)
+                epoch_done = self.train_epoch(train_loader, state)
                 if not epoch_done:  # max_steps reached mid-epoch
                     break
                 state.next_epoch()
-                val_metrics = self.validate_and_save(state, {"train/epoch_loss": train_loss})
+                epoch_loss = {"train/epoch_loss": state.train_loss} if state.train_loss is not None else {}
+                val_metrics = self.validate_and_save(state, epoch_loss)
                 if self.stop_signum:
                     self._stop(f"after epoch {state.epoch}")
             if self.validated_at != state.global_step:  # ended mid-epoch, or resumed with nothing left to train
-                trained = train_loss is not None
+                trained = state.global_step > start_step
                 val_metrics = self.validate_and_save(state, save=trained and self.saved_at != state.global_step)
         wall_time_s = time.perf_counter() - start
-        return {**self._summary(val_metrics, state), "train/loss": train_loss, "wall_time_s": wall_time_s}
+        return {**self._summary(val_metrics, state), "train/loss": state.train_loss, "wall_time_s": wall_time_s}
 
     def validate_and_save(self, state: TrainState, logged: dict | None = None, save: bool = True) -> dict[str, float]:
-        """Validates, logs the metrics (with `logged`), and checkpoints: last.pt, and best.pt if the metric improved."""
+        """Validates, logs the metrics (with `logged`), and checkpoints: last.pt, and best.pt if the metric improved.
+        Weights that are not finite are neither: the run ends naming the checkpoint a rerun would start from."""
+        self._before_validation_or_checkpoint(state)
         val_metrics = self.evaluate(self.val_loader)
         self.writer.log_metrics({**val_metrics, **(logged or {})}, state.global_step)
         where = (
@@ -158,8 +183,8 @@ class Trainer:
         The strategy decides what that costs each rank: single and DDP build the state only where it is written
         (rank 0; the others have a null writer), FSDP gathers the shards on every rank (a collective).
         """
-        self.saved_at = state.global_step
         if not self.save_checkpoints:
+            self.saved_at = state.global_step
             return  # not even FSDP's gather
         state_dicts = self.strategy.state_dicts(self.model, self.optimizer)
 
@@ -169,12 +194,32 @@ class Trainer:
             )
 
         self.writer.save_checkpoint(make_state, is_best=is_best)
+        self.saved_at = state.global_step
+
+    def _check_finite(self, loss: float, interval: Interval, state: TrainState) -> None:
+        lr = self.scheduler.get_last_lr()[0]
+        check_finite(loss, interval, state.epoch, self.strategy, self.rerun_note(), lr=lr)
+
+    def _before_validation_or_checkpoint(self, state: TrainState) -> None:
+        """Weights that are not finite (from an overflowing gradient, say) are neither validated nor saved: the run
+        ends, naming the checkpoint a rerun would start from. And every rank takes rank 0's buffers (batch norm's
+        running statistics, which each rank updates from its own shard): the ones rank 0 saves."""
+        check_finite_weights(self.model, state.global_step, self.strategy, self.rerun_note())
+        self.strategy.sync_buffers(self.model)
 
     def validate(self, val_loader: DataLoader, state: TrainState) -> dict[str, Any]:
         """mode=eval: the metrics of the weights as they are, with the checkpoint's epoch and step."""
         start = time.perf_counter()
         metrics = self.evaluate(val_loader)
         return {**self._summary(metrics, state), "wall_time_s": time.perf_counter() - start}
+
+    def rerun_note(self) -> str:
+        """Where a rerun into this run directory would continue from, for the line that ends a failed run."""
+        if not self.save_checkpoints:
+            return "trainer.save_checkpoints=false: nothing was saved"
+        if self.saved_at >= 0:
+            return f"checkpoints/last.pt holds step {self.saved_at}, where a rerun continues"
+        return f"no checkpoint was saved in this run: a rerun starts from {self.rerun_starts_from}"
 
     def _stop(self, where: str) -> NoReturn:
         """Ends the run on a stop signal, after its checkpoint; the loggers mark their runs preempted, not failed."""
@@ -199,114 +244,122 @@ class Trainer:
             else None,
         }
 
-    def train_epoch(self, loader: DataLoader, state: TrainState) -> tuple[float, bool]:
+    def train_epoch(self, loader: TrainLoader, state: TrainState) -> bool:
         """The rest of one pass over this rank's shard (all of it, unless resumed mid-epoch), or up to `max_steps`.
-        Returns the mean train loss over all ranks of the epoch's steps so far, and whether the epoch is complete."""
+        Sets `state.train_loss`, the mean train loss over all ranks of the epoch's steps so far; returns whether the
+        epoch is complete."""
         self.model.train()
         device = self.strategy.device
-        steps = batches_per_epoch(loader, self.limit_train_batches, skipped=state.epoch_step)
+        sampler = loader.sampler
+        steps = state.epoch_step + len(loader)  # the epoch's steps in all, for messages
         # Losses are summed on the device and read back only on logging steps: `.item()` is a host sync. Each rank
-        # starts from the global sum of a resumed epoch's earlier steps; the mean below divides by world size.
-        epoch_loss = torch.full((), state.epoch_loss_sum, device=device)
-        interval = Interval(device, self.log_every_n_steps, state.global_step + 1)
+        # starts from the global sum of a resumed epoch's (and logging interval's) earlier steps; the means below
+        # divide by world size.
+        epoch_loss = torch.full((), state.epoch_loss_sum, dtype=torch.float64, device=device)
+        interval = Interval.resumed(state, device, self.log_every_n_steps)
         batches = iter(loader)
-        while state.epoch_step < steps and not self.finished(state):
+        while state.epoch_samples < sampler.end and not self.finished(state):
             wait_start = time.perf_counter()
-            inputs, targets = next(batches)
+            batch = next(batches)
             interval.data_wait_s += time.perf_counter() - wait_start
             self.seed_step(state.global_step)
-            inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-            loss = self.train_step(inputs, targets, state.global_step)
+            global_rows = sampler.global_rows(state.epoch_samples)
+            loss = self.step(self._on_device(batch), global_rows, state.global_step)
             self.scheduler.step()
             self.profiler.step()
             state.global_step += 1
             state.epoch_step += 1
-            interval.add(loss)
+            state.epoch_samples += global_rows
+            interval.add(loss, global_rows)
             if loss is None:
-                state.epoch_skipped += 1
-                state.skipped_steps += 1
+                self._skipped(state)
+            else:
+                state.skipped_in_a_row = 0
             if state.global_step % self.log_every_n_steps == 0:
                 epoch_loss += interval.loss_sum
                 self._log_interval(interval, state)
                 interval = Interval(device, self.log_every_n_steps, state.global_step + 1)
-            self._between_steps(state, epoch_loss, interval, steps)
+            self._between_steps(state, epoch_loss, interval, sampler, steps)
         epoch_loss += interval.loss_sum
-        self.progress.update(interval.steps)
-        check_not_all_skipped(interval)
-        # The sum of the epoch's global step losses; a checkpoint of an unfinished epoch keeps it, so the resumed
-        # epoch reports the uninterrupted epoch's mean.
-        state.epoch_loss_sum = self._global_sum(epoch_loss)
+        self.progress.update(interval.count)
+        # The sum of the epoch's global step losses; a checkpoint of an unfinished epoch keeps it, and the unfinished
+        # logging interval's, so the resumed run reports the uninterrupted run's means.
+        state.epoch_loss_sum, interval_sum = self._global_sums(epoch_loss, interval.loss_sum)
         counted = state.epoch_step - state.epoch_skipped
-        mean = state.epoch_loss_sum / counted if counted else math.nan
-        check_finite(mean, interval, state.epoch, self.strategy)  # the steps since the last logging step
-        return mean, state.epoch_step == steps
+        state.train_loss = state.epoch_loss_sum / counted if counted else None  # None: every step skipped
+        if counted:
+            self._check_finite(state.train_loss, interval, state)
+        done = state.epoch_samples >= sampler.end
+        # An epoch's end also ends its logging interval: the next epoch starts one of its own.
+        state.interval_loss_sum, state.interval_steps, state.interval_skipped = (
+            (0.0, 0, 0) if done else interval.carry(interval_sum)
+        )
+        return done
 
-    def _between_steps(self, state: TrainState, epoch_loss: Tensor, interval: Interval, steps: int) -> None:
-        """Validation and checkpoints every N steps, and a stop signal's checkpoint. Not at the epoch's (`steps`) or
-        the run's last step: the epoch end validates and checkpoints anyway."""
+    def _on_device(self, batch: Any) -> Any:
+        batch = to_device(batch, self.strategy.device)
+        if not self.channels_last:
+            return batch
+        to_channels_last = lambda tensor: tensor.contiguous(memory_format=torch.channels_last)  # noqa: E731
+        return map_tensors(lambda tensor: to_channels_last(tensor) if tensor.dim() == 4 else tensor, batch)
+
+    def _skipped(self, state: TrainState) -> None:
+        """A step whose update was skipped (trainer.nonfinite_loss=skip): the odd bad batch. A run of them as long
+        as `max_consecutive_skips` has diverged, wherever the logging steps fall."""
+        state.epoch_skipped += 1
+        state.skipped_steps += 1
+        state.skipped_in_a_row += 1
+        if state.skipped_in_a_row >= self.max_consecutive_skips:
+            first = state.global_step - state.skipped_in_a_row + 1
+            raise TrainingDiverged(
+                f"train/loss was non-finite at every step from {first} to {state.global_step}, all skipped "
+                f"(trainer.nonfinite_loss=skip ends the run after trainer.max_consecutive_skips="
+                f"{self.max_consecutive_skips} in a row); {self.rerun_note()}"
+            )
+
+    def _between_steps(
+        self, state: TrainState, epoch_loss: Tensor, interval: Interval, sampler: GlobalBatchSampler, steps: int
+    ) -> None:
+        """Validation and checkpoints every N steps, and a stop signal's checkpoint. Not at the epoch's or the run's
+        last step: the epoch end validates and checkpoints anyway. Only from finite losses: a non-finite one since
+        the last logging step ends the run first, naming its step."""
         at = state.global_step
         validate = bool(self.val_every_n_steps) and at % self.val_every_n_steps == 0
         save = bool(self.ckpt_every_n_steps) and at % self.ckpt_every_n_steps == 0
-        if state.epoch_step == steps or self.finished(state) or not (validate or save or self.stop_signum):
+        if state.epoch_samples >= sampler.end or self.finished(state) or not (validate or save or self.stop_signum):
             return
-        state.epoch_loss_sum = self._global_sum(epoch_loss + interval.loss_sum)
+        state.epoch_loss_sum, interval_sum = self._global_sums(epoch_loss + interval.loss_sum, interval.loss_sum)
+        self._check_finite(interval_sum, interval, state)
+        # Kept in the checkpoint: a run resumed from it logs this interval's mean as the uninterrupted run does.
+        state.interval_loss_sum, state.interval_steps, state.interval_skipped = interval.carry(interval_sum)
         if validate:
             self.validate_and_save(state)
             self.model.train()
         else:
+            self._before_validation_or_checkpoint(state)
             self.save_checkpoint(state, {}, is_best=False)
         if self.stop_signum:
             self._stop(f"after step {at} (epoch {state.epoch + 1}, step {state.epoch_step} of {steps})")
 
-    def train_step(self, inputs: Tensor, targets: Tensor, step: int) -> Tensor | None:
-        """Optimizer step `step` (counted from 0) over this rank's batch, in `grad_accum_steps` micro-batches; returns
-        the mean loss, or None if the update was skipped for a non-finite loss (trainer.nonfinite_loss=skip)."""
-        model, optimizer = self.model, self.optimizer
-        if self.channels_last and inputs.ndim == 4:
-            inputs = inputs.contiguous(memory_format=torch.channels_last)
-        optimizer.zero_grad(set_to_none=True)
-        n = self.grad_accum_steps
-        micro_batches = zip(inputs.chunk(n), targets.chunk(n)) if n > 1 else ((inputs, targets),)
-        loss_sum = None
-        first_row = 0
-        for i, (micro_inputs, micro_targets) in enumerate(micro_batches):
-            rows = len(micro_inputs)
-            keys = self.row_keys(step, first_row, rows) if self.row_keys else nullcontext()
-            # Gradients are all-reduced once, after the last micro-batch's backward.
-            with self.strategy.no_sync(model) if i < n - 1 else nullcontext():
-                with self.precision.autocast(), keys:
-                    loss = self.task.loss(model(micro_inputs), micro_targets)
-                # Equal micro-batches: the mean of their means is the batch mean, as without accumulation.
-                self.precision.backward(loss / n if n > 1 else loss)
-            first_row += rows
-            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-        if self.skip_nonfinite and nonfinite_on_any_rank(loss_sum, self.strategy):
-            optimizer.zero_grad(set_to_none=True)
-            return None
-        if self.grad_clip_norm is not None:
-            # DDP has averaged the gradients by now, so every rank clips by the same global norm. Under FSDP each
-            # rank holds a shard (DTensor) of them, and clip_grad_norm_ takes the norm over all shards.
-            self.precision.unscale_(optimizer)
-            nn.utils.clip_grad_norm_(model.parameters(), self.grad_clip_norm)
-        self.precision.step(optimizer)
-        return loss_sum / n if n > 1 else loss_sum
-
     def _log_interval(self, interval: Interval, state: TrainState) -> None:
-        check_not_all_skipped(interval)
         # The sync point: the device has caught up once this returns.
-        loss = self._global_sum(interval.loss_sum) / interval.loss_steps if interval.loss_steps else math.nan
-        check_finite(loss, interval, state.epoch, self.strategy)
+        loss_sum = self._global_sum(interval.loss_sum) + interval.carried_sum
+        if interval.loss_steps:
+            loss = loss_sum / interval.loss_steps
+            self._check_finite(loss, interval, state)
+        else:  # every step of the interval skipped (trainer.nonfinite_loss=skip): no loss to average
+            loss = math.nan
         seconds = time.perf_counter() - interval.start
         metrics = {
-            "train/loss": loss,
+            **({"train/loss": loss} if interval.loss_steps else {}),
             "train/lr": self.scheduler.get_last_lr()[0],
-            **self.throughput.metrics(interval.steps, seconds, interval.data_wait_s),
+            **self.throughput.metrics(interval.count, interval.samples, seconds, interval.data_wait_s),
         }
         if self.strategy.device.type == "cuda":
             metrics["perf/max_memory_gb"] = self._highest_peak_memory_gb()
         self.writer.log_metrics(metrics, state.global_step)
         samples_per_sec = metrics["perf/samples_per_sec"]
-        self.progress.update(interval.steps)
+        self.progress.update(interval.count)
         self.progress.set_postfix(
             loss=f"{loss:.4f}", lr=f"{metrics['train/lr']:.3g}", samples_per_s=f"{samples_per_sec:.0f}", refresh=False
         )
@@ -327,17 +380,21 @@ class Trainer:
         return self.strategy.all_reduce(peaks).max().item()
 
     def _global_sum(self, loss_sum: Tensor) -> float:
-        """A sum of step losses over all ranks, over the world size: each rank's step loss is the mean over an
-        equal-sized shard, so this is the sum of the global batches' mean losses.
+        return self._global_sums(loss_sum)[0]
+
+    def _global_sums(self, *loss_sums: Tensor) -> list[float]:
+        """Sums of step losses over all ranks, over the world size: each rank's step loss is its share of the global
+        batch's mean loss times the world size (hydraloop.step), so these are sums of the global batches' means.
 
         The same all-reduce counts the ranks that got each stop signal: all ranks learn of a stop at the same step.
         """
+        count = len(loss_sums)
         votes = [float(self.stop_request.signum == signum) for signum in STOP_SIGNALS]
-        reduced = torch.tensor([0.0, *votes], device=loss_sum.device)
-        reduced[0] = loss_sum.detach()
-        total, *votes = self.strategy.all_reduce(reduced).tolist()
-        self.stop_signum = next((signum for signum, n in zip(STOP_SIGNALS, votes) if n), 0)
-        return total / self.strategy.world_size
+        reduced = torch.tensor([0.0] * count + votes, dtype=torch.float64, device=loss_sums[0].device)
+        reduced[:count] = torch.stack([loss_sum.detach() for loss_sum in loss_sums])
+        reduced = self.strategy.all_reduce(reduced).tolist()
+        self.stop_signum = next((signum for signum, n in zip(STOP_SIGNALS, reduced[count:]) if n), 0)
+        return [total / self.strategy.world_size for total in reduced[:count]]
 
     @torch.no_grad()
     def evaluate(self, loader: DataLoader) -> dict[str, float]:
@@ -347,11 +404,9 @@ class Trainer:
         device = self.strategy.device
         totals = torch.zeros(self.task.num_statistics, dtype=torch.float64, device=device)
         batches = itertools.islice(loader, self.limit_val_batches)
-        for inputs, targets in self.strategy.eval_batches(batches, batches_per_epoch(loader, self.limit_val_batches)):
-            inputs = inputs.to(device, non_blocking=True)
-            targets = targets.to(device, non_blocking=True)
-            if self.channels_last and inputs.ndim == 4:
-                inputs = inputs.contiguous(memory_format=torch.channels_last)
+        count = min(len(loader), self.limit_val_batches or len(loader))
+        for batch in self.strategy.eval_batches(batches, count):
+            inputs, targets = self._on_device(batch)
             with self.precision.autocast():
                 outputs = module(inputs)
             totals += self.task.statistics(outputs, targets)
