@@ -16,13 +16,14 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from conftest import free_port
-from hydraloop.checkpoint import TrainState, checkpoint_state, restore_rng_state, resume, rng_state
+from hydraloop.checkpoint import TrainState, checkpoint_state, load_checkpoint, restore_rng_state, rng_state
 from hydraloop.errors import ConfigError
 from hydraloop.parallel.dataparallel import DataParallelStrategy, autocast_replicas, gpus_to_split_over
 from hydraloop.parallel.ddp import DDPStrategy
 from hydraloop.parallel.fsdp import FSDPStrategy
 from hydraloop.parallel.single import SingleDevice, resolve_device
 from hydraloop.precision import Precision
+from hydraloop.resume import restore, train_state
 from hydraloop.schedulers import constant
 from hydraloop.seeding import StepSeeder
 from hydraloop.trainer import interval_peak_memory_gb
@@ -57,7 +58,9 @@ def test_resume_loads_through_the_cpu_and_keeps_step_counters_there(train_in_pro
         model = instantiate(config.model)
     optimizer = instantiate(config.optimizer)(model.parameters())
     scheduler = constant(optimizer, total_steps=100, steps_per_epoch=10)
-    state = resume(path, strategy, model, optimizer, scheduler, Precision("32", torch.device("cpu")))
+    checkpoint = load_checkpoint(path)
+    state = train_state(checkpoint, config, own=True)
+    restore(checkpoint, strategy, model, optimizer, scheduler, Precision("32", torch.device("cpu")))
     assert state.epoch == 1 and state.global_step == 22
     per_parameter = list(optimizer.state.values())
     assert len(per_parameter) == len(list(model.parameters()))

@@ -2,10 +2,10 @@
 atomically.
 
 Keys: model (state_dict of the unwrapped model), optimizer, scheduler, the fields of TrainState (epoch: completed
-epochs, global_step, best_metric, skipped_steps, and epoch_step, epoch_loss_sum, epoch_skipped: progress into an
-unfinished epoch, for a checkpoint a stop signal asked for), grad_scaler (fp16 loss scale), metrics (the validation
-metrics when saved; empty mid-epoch), rng (torch, cuda: the saving rank's own GPU's or None, numpy, python) and
-config (resolved).
+epochs, global_step, best_metric, ..., and epoch_samples, epoch_step, epoch_loss_sum, ...: progress into an
+unfinished epoch), grad_scaler (fp16 loss scale), metrics (the validation metrics when saved; empty mid-epoch), rng
+(torch, cuda: the saving rank's own GPU's or None, numpy, python) and config (resolved). What a resume takes of one
+is hydraloop.resume's.
 """
 
 import logging
@@ -16,15 +16,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from hydra.utils import instantiate
-from torch import nn
-from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 from hydraloop.errors import ConfigError
-from hydraloop.parallel.single import SingleDevice
 from hydraloop.precision import Precision
-from hydraloop.schedulers import apply_current_step
 from hydraloop.storage import write_atomic
 
 log = logging.getLogger(__name__)
@@ -42,12 +37,23 @@ class TrainState:
     """Completed optimizer steps."""
     epoch_step: int = 0
     """Completed steps of the unfinished epoch `epoch + 1` (non-zero only in a mid-epoch checkpoint)."""
+    epoch_samples: int = 0
+    """Samples of that epoch trained on (all ranks): where a resume continues it, whatever its batch size."""
     epoch_loss_sum: float = 0.0
     """Sum of those steps' global train losses, so the resumed epoch reports the uninterrupted epoch's mean."""
     epoch_skipped: int = 0
     """Steps of the unfinished epoch whose update was skipped for a non-finite loss (not in epoch_loss_sum)."""
+    interval_loss_sum: float = 0.0
+    """The unfinished logging interval's sum of global train losses, steps and skipped steps: the first train/loss
+    a resumed run logs is then the uninterrupted run's."""
+    interval_steps: int = 0
+    interval_skipped: int = 0
     skipped_steps: int = 0
     """Skipped steps over the whole run (trainer.nonfinite_loss=skip)."""
+    skipped_in_a_row: int = 0
+    """Skipped steps since the last update: trainer.max_consecutive_skips of them end the run."""
+    train_loss: float | None = None
+    """The mean train loss of the latest epoch's steps (metrics.json's train/loss)."""
     best_metric: float | None = None
     patience_best: float | None = None
     """Early stopping: the metric the latest improvement by more than `min_delta` reached..."""
@@ -56,8 +62,23 @@ class TrainState:
     stopped_early: str = ""
     """Why early stopping ended the run ("": it did not); a resumed run that stopped early does not train on."""
 
+    @classmethod
+    def of(cls, checkpoint: dict[str, Any]) -> "TrainState":
+        """The state a checkpoint holds; fields it lacks (an older format's) take their defaults."""
+        return cls(**{field.name: checkpoint.get(field.name, field.default) for field in fields(cls)})
+
     def next_epoch(self) -> None:
-        self.epoch, self.epoch_step, self.epoch_loss_sum, self.epoch_skipped = self.epoch + 1, 0, 0.0, 0
+        self.epoch, self.epoch_step, self.epoch_samples, self.epoch_loss_sum, self.epoch_skipped = (
+            self.epoch + 1,
+            0,
+            0,
+            0.0,
+            0,
+        )
+
+    def start_own_best(self) -> None:
+        """The best metric and early stopping's count start over: they belonged to another run or another metric."""
+        self.best_metric, self.patience_best, self.stale_validations, self.stopped_early = None, None, 0, ""
 
 
 def save_atomic(obj: Any, path: Path, consequence: str = "") -> None:
@@ -83,96 +104,24 @@ def step_checkpoints(directory: Path) -> dict[int, Path]:
     return found
 
 
-def load_checkpoint(path: str | Path) -> dict[str, Any]:
+def load_checkpoint(path: str | Path, source: str | None = None) -> dict[str, Any]:
     """To the CPU, whatever device wrote it: loading into the model and optimizer copies to their devices, and
     leaves the optimizer's `step` counters on the CPU, where a non-fused optimizer keeps them (on the GPU, AdamW's
-    foreach path would read each back to the host, twice per parameter per step)."""
+    foreach path would read each back to the host, twice per parameter per step). `source`: where the path came
+    from, for the one line that refuses it (default: `ckpt_path=...`)."""
+    source = source or f"ckpt_path={path}"
     if not Path(path).exists():
-        raise ConfigError(f"ckpt_path={path}: no such file")
+        raise ConfigError(f"{source}: no such file")
     if not Path(path).is_file():
-        raise ConfigError(f"ckpt_path={path}: not a file")
+        raise ConfigError(f"{source}: not a file")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:  # a truncated file, another format, a pickle with arbitrary objects
-        raise ConfigError(f"ckpt_path={path}: not a readable checkpoint ({type(error).__name__})") from None
+        raise ConfigError(f"{source}: not a readable checkpoint ({type(error).__name__})") from None
     missing = [key for key in REQUIRED_KEYS if not isinstance(checkpoint, dict) or key not in checkpoint]
     if missing:
-        raise ConfigError(f"ckpt_path={path}: not a hydraloop checkpoint (missing {', '.join(missing)})")
+        raise ConfigError(f"{source}: not a hydraloop checkpoint (missing {', '.join(missing)})")
     return checkpoint
-
-
-def checkpoint_to_resume(cfg: Any, report: bool = False) -> str | None:
-    """The checkpoint a run starts from: with `resume=true`, this run directory's own last.pt if it has one (a
-    restarted or requeued job, or the same command rerun into the same directory: it continues where it stopped),
-    else `ckpt_path` (null: from scratch).
-
-    A last.pt that cannot be read (truncated, empty) gives way to the newest readable step-named checkpoint beside
-    it, with one warning line if `report` (the process that owns the run directory; every rank looks for itself).
-    """
-    directory = Path(cfg.output_dir) / "checkpoints"
-    own = [directory / "last.pt", *(path for _, path in sorted(step_checkpoints(directory).items(), reverse=True))]
-    own = [path for path in own if path.is_file()] if cfg.resume and cfg.mode == "train" else []
-    unreadable = []
-    for path in own:
-        try:
-            load_checkpoint(path)
-        except ConfigError:
-            unreadable.append(path.name)
-            continue
-        if unreadable and report:
-            log.warning(
-                "resume=true: %s cannot be read (truncated, or not a checkpoint): continuing from %s, the newest "
-                "readable checkpoint in %s",
-                ", ".join(unreadable),
-                path.name,
-                directory,
-            )
-        return str(path)
-    # None readable: last.pt is the one to report (check_resumable says it cannot be read), if there is one.
-    return str(own[0]) if own else cfg.ckpt_path
-
-
-def check_resumable(path: str | Path, cfg: Any) -> None:
-    """Fail before any process starts if the checkpoint does not fit the configured model (and, to resume
-    training, optimizer).
-
-    The model is built on the meta device: shapes only, no memory, no initialisation cost.
-    """
-    checkpoint = load_checkpoint(path)
-    # The run directory's own last.pt (resume=true) was not named by the user: say where it came from.
-    own = path != cfg.ckpt_path
-    source = f"resume=true: {path}" if own else f"ckpt_path={path}"
-    hint = " (resume=false starts the run directory over)" if own else ""
-    saved_optimizer = checkpoint.get("config", {}).get("optimizer", {}).get("_target_")
-    if cfg.mode == "train" and saved_optimizer and saved_optimizer != cfg.optimizer._target_:
-        raise ConfigError(
-            f"{source}: holds {saved_optimizer} state, the config asks for {cfg.optimizer._target_}{hint}"
-        )
-    saved_vocab = checkpoint.get("config", {}).get("data", {}).get("vocab")
-    if saved_vocab is not None and cfg.data.get("vocab") != saved_vocab:
-        raise ConfigError(
-            f"{source}: was trained on another vocabulary ({len(saved_vocab)} characters) than data.vocab, read from "
-            f"data.dataset.path={cfg.data.dataset.get('path')} ({len(cfg.data.get('vocab') or '')}): the token ids "
-            f"would mean other characters{hint}"
-        )
-    done, max_steps = checkpoint["global_step"], cfg.trainer.max_steps
-    if cfg.mode == "train" and max_steps is not None and max_steps < done:
-        raise ConfigError(f"trainer.max_steps={max_steps}: below the {done} steps already done ({source}){hint}")
-    model_cfg = cfg.model
-    saved = {name: tuple(tensor.shape) for name, tensor in checkpoint["model"].items()}
-    with torch.device("meta"):
-        model = instantiate(model_cfg)
-    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
-    problems = [f"missing {name}" for name in expected.keys() - saved.keys()]
-    problems += [f"unexpected {name}" for name in saved.keys() - expected.keys()]
-    problems += [
-        f"{name} has shape {list(saved[name])}, model needs {list(shape)}"
-        for name, shape in expected.items()
-        if name in saved and saved[name] != shape
-    ]
-    if problems:
-        shown = "; ".join(sorted(problems)[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
-        raise ConfigError(f"{source}: does not fit model {model_cfg._target_} ({shown}){hint}")
 
 
 def checkpoint_state(
@@ -198,30 +147,6 @@ def checkpoint_state(
         "rng": rng_state(device),
         "config": config,
     }
-
-
-def resume(
-    path: str | Path,
-    strategy: SingleDevice,
-    model: nn.Module,
-    optimizer: Optimizer,
-    scheduler: LambdaLR,
-    precision: Precision,
-    model_only: bool = False,
-) -> TrainState:
-    """Loads everything a checkpoint holds into the (wrapped) model and the training objects; with
-    `model_only` (evaluation), the weights alone. Every rank reads the file."""
-    checkpoint = load_checkpoint(path)
-    strategy.load_model_state(model, checkpoint["model"])
-    state = TrainState(**{field.name: checkpoint.get(field.name, field.default) for field in fields(TrainState)})
-    if model_only:
-        return state
-    strategy.load_optimizer_state(model, optimizer, checkpoint["optimizer"])
-    scheduler.load_state_dict(checkpoint["scheduler"])
-    apply_current_step(scheduler)
-    precision.load_state_dict(checkpoint.get("grad_scaler", {}))
-    restore_rng_state(checkpoint["rng"], strategy.device)
-    return state
 
 
 def on_cpu(tree: Any) -> Any:

@@ -21,12 +21,12 @@ import torch
 from hydra.utils import instantiate
 from torch.utils.data import DataLoader, TensorDataset
 
-from hydraloop.checkpoint import resume
 from hydraloop.data.loaders import ShardSampler
 from hydraloop.data.tensors import read_arrays
 from hydraloop.errors import ConfigError
 from hydraloop.parallel.single import SingleDevice
 from hydraloop.precision import Precision
+from hydraloop.resume import load_weights
 from hydraloop.storage import write_atomic
 from hydraloop.tasks.base import Task
 
@@ -58,7 +58,7 @@ def predict(cfg: Any, strategy: SingleDevice, task: Task) -> dict[str, Any]:
         )
     model = strategy.wrap(instantiate(cfg.model))
     precision = Precision(cfg.trainer.precision, strategy.device)
-    state = resume(cfg.ckpt_path, strategy, model, None, None, precision, model_only=True)
+    state = load_weights(cfg.ckpt_path, strategy, model)
     module = strategy.eval_module(model)
     module.eval()
     device, count = strategy.device, len(inputs)

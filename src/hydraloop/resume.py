@@ -1,0 +1,213 @@
+"""Resuming: which checkpoint a run starts from, whether it fits the config, and what of it a run of that config
+takes. The checkpoint's format is hydraloop.checkpoint's.
+
+Where the checkpoint and the config differ, the config wins, or the resume is refused in one line: the optimizer's
+hyper-parameters are the config's; a mid-epoch position is kept in samples, so another batch size or world size
+continues at the right sample; the best metric belongs to the run directory and the metric it was measured by; a
+mid-epoch checkpoint under another seed or sample order is refused; a finished run's directory is left as it is.
+"""
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR
+
+from hydraloop.checkpoint import TrainState, load_checkpoint, restore_rng_state, step_checkpoints
+from hydraloop.errors import ConfigError
+from hydraloop.parallel.single import SingleDevice
+from hydraloop.precision import Precision
+from hydraloop.schedulers import apply_current_step
+
+log = logging.getLogger(__name__)
+
+
+def checkpoint_to_resume(cfg: Any, report: bool = False) -> str | None:
+    """The checkpoint a run starts from: with `resume=true`, this run directory's own last.pt if it has one (a
+    restarted or requeued job, or the same command rerun into the same directory: it continues where it stopped),
+    else `ckpt_path` (null: from scratch).
+
+    A last.pt that cannot be read (truncated, empty) gives way to the newest readable step-named checkpoint beside
+    it, with one warning line if `report` (the process that owns the run directory; every rank looks for itself).
+    """
+    directory = Path(cfg.output_dir) / "checkpoints"
+    own = [directory / "last.pt", *(path for _, path in sorted(step_checkpoints(directory).items(), reverse=True))]
+    own = [path for path in own if path.is_file()] if cfg.resume and cfg.mode == "train" else []
+    unreadable = []
+    for path in own:
+        try:
+            load_checkpoint(path)
+        except ConfigError:
+            unreadable.append(path.name)
+            continue
+        if unreadable and report:
+            log.warning(
+                "resume=true: %s cannot be read (truncated, or not a checkpoint): continuing from %s, the newest "
+                "readable checkpoint in %s",
+                ", ".join(unreadable),
+                path.name,
+                directory,
+            )
+        return str(path)
+    # None readable: last.pt is the one to report (check_resumable says it cannot be read), if there is one.
+    return str(own[0]) if own else cfg.ckpt_path
+
+
+def check_resumable(path: str | Path, cfg: Any) -> None:
+    """Fail before any process starts if the checkpoint does not fit the configured model (and, to resume
+    training, optimizer).
+
+    The model is built on the meta device: shapes only, no memory, no initialisation cost.
+    """
+    # The run directory's own last.pt (resume=true) was not named by the user: say where it came from.
+    own = path != cfg.ckpt_path
+    source = f"resume=true: {path}" if own else f"ckpt_path={path}"
+    hint = " (resume=false starts the run directory over)" if own else ""
+    try:
+        checkpoint = load_checkpoint(path, source)
+    except ConfigError as error:
+        raise ConfigError(f"{error}{hint}") from None
+    saved_optimizer = checkpoint.get("config", {}).get("optimizer", {}).get("_target_")
+    if cfg.mode == "train" and saved_optimizer and saved_optimizer != cfg.optimizer._target_:
+        raise ConfigError(
+            f"{source}: holds {saved_optimizer} state, the config asks for {cfg.optimizer._target_}{hint}"
+        )
+    saved_vocab = checkpoint.get("config", {}).get("data", {}).get("vocab")
+    if saved_vocab is not None and cfg.data.get("vocab") != saved_vocab:
+        raise ConfigError(
+            f"{source}: was trained on another vocabulary ({len(saved_vocab)} characters) than data.vocab, read from "
+            f"data.dataset.path={cfg.data.dataset.get('path')} ({len(cfg.data.get('vocab') or '')}): the token ids "
+            f"would mean other characters{hint}"
+        )
+    done, max_steps = checkpoint["global_step"], cfg.trainer.max_steps
+    if cfg.mode == "train" and max_steps is not None and max_steps < done:
+        raise ConfigError(f"trainer.max_steps={max_steps}: below the {done} steps already done ({source}){hint}")
+    saved_config = checkpoint.get("config") or {}
+    if cfg.mode == "train" and checkpoint.get("epoch_step"):  # mid-epoch: the rest of the epoch is in its order
+        for key, value in (("seed", cfg.seed), ("data.shuffle", cfg.data.shuffle)):
+            before = OmegaConf.select(OmegaConf.create(saved_config), key, default=value)
+            if before != value:
+                now, then = (str(v).lower() if isinstance(v, bool) else v for v in (value, before))
+                raise ConfigError(
+                    f"{key}={now}: {source} is mid-epoch (step {checkpoint['epoch_step']} of epoch "
+                    f"{checkpoint['epoch'] + 1}) under {key}={then}, and the rest of that epoch would take another "
+                    f"order, repeating and leaving out samples; resume with {key}={then}{hint}"
+                )
+    model_cfg = cfg.model
+    saved = {name: tuple(tensor.shape) for name, tensor in checkpoint["model"].items()}
+    with torch.device("meta"):
+        model = instantiate(model_cfg)
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    problems = [f"missing {name}" for name in expected.keys() - saved.keys()]
+    problems += [f"unexpected {name}" for name in saved.keys() - expected.keys()]
+    problems += [
+        f"{name} has shape {list(saved[name])}, model needs {list(shape)}"
+        for name, shape in expected.items()
+        if name in saved and saved[name] != shape
+    ]
+    if problems:
+        shown = "; ".join(sorted(problems)[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+        raise ConfigError(f"{source}: does not fit model {model_cfg._target_} ({shown}){hint}")
+
+
+def finished_records(path: str | Path, cfg: Any) -> dict[str, Any] | None:
+    """A rerun of a finished run: its metrics.json, if `path` (this run directory's own checkpoint, resume=true) is
+    the end of training under `cfg` and the run wrote its records. None: there is training (or a record) to do."""
+    metrics_file = Path(cfg.output_dir) / "metrics.json"
+    if cfg.mode != "train" or not is_own(path, cfg) or not metrics_file.is_file():
+        return None
+    checkpoint = load_checkpoint(path)
+    max_steps = cfg.trainer.max_steps
+    done = checkpoint["global_step"] >= max_steps if max_steps else checkpoint["epoch"] >= cfg.trainer.max_epochs
+    if not (done or checkpoint.get("stopped_early")):
+        return None
+    try:
+        metrics = json.loads(metrics_file.read_text())
+    except (OSError, ValueError):
+        return None  # a metrics.json that cannot be read is written again
+    if metrics.get("global_step") != checkpoint["global_step"] or cfg.trainer.eval_best and "best/epoch" not in metrics:
+        return None
+    return metrics
+
+
+def train_state(checkpoint: dict[str, Any], cfg: Any, own: bool) -> TrainState:
+    """The TrainState a checkpoint holds, for a run of `cfg`. `own`: the checkpoint is this run directory's.
+
+    The best metric (what best.pt must beat) and early stopping's state belong to the run directory and the metric
+    they were measured in: from another directory's checkpoint, or with another `optimized_metric` or direction,
+    they start over (said in one line), so that this directory gets a best.pt of its own.
+    """
+    state = TrainState.of(checkpoint)
+    saved = checkpoint.get("config") or {}
+    if "epoch_samples" not in checkpoint and state.epoch_step:  # written before positions were kept in samples
+        state.epoch_samples = state.epoch_step * saved.get("data", {}).get("batch_size", 0)
+    metric = (cfg.optimized_metric, cfg.optimized_metric_mode)
+    saved_metric = (saved.get("optimized_metric", metric[0]), saved.get("optimized_metric_mode", metric[1]))
+    if state.best_metric is not None and (not own or saved_metric != metric):
+        whose = "another run directory's" if not own else f"by {saved_metric[0]} ({saved_metric[1]})"
+        log.info(
+            "the checkpoint's best (%.6g) is %s: best.pt and early stopping start over in this run directory, by %s "
+            "(%s)",
+            state.best_metric,
+            whose,
+            *metric,
+        )
+        state.start_own_best()
+    return state
+
+
+def is_own(path: str | Path, cfg: Any) -> bool:
+    """Whether `path` is one of this run directory's own checkpoints."""
+    return Path(path).resolve().parent == (Path(cfg.output_dir) / "checkpoints").resolve()
+
+
+def load_weights(path: str | Path, strategy: SingleDevice, model: nn.Module) -> TrainState:
+    """The checkpoint's weights into the (wrapped) model, for evaluation or prediction; its TrainState says whence."""
+    checkpoint = load_checkpoint(path)
+    strategy.load_model_state(model, checkpoint["model"])
+    return TrainState.of(checkpoint)
+
+
+def restore(
+    checkpoint: dict[str, Any],
+    strategy: SingleDevice,
+    model: nn.Module,
+    optimizer: Optimizer,
+    scheduler: LambdaLR,
+    precision: Precision,
+) -> None:
+    """Loads a checkpoint's training objects into the (wrapped) model, the optimizer built from this run's config,
+    its schedule, the loss scaler and the generators. Every rank reads the file.
+
+    The optimizer's hyper-parameters are this run's config's, not the checkpoint's: a resume with another
+    `optimizer.lr` or `weight_decay` trains with it (from the next step; said in one line), as every record of the
+    run says. The optimizer's state (moments, momenta) and the schedule's position are the checkpoint's.
+    """
+    strategy.load_model_state(model, checkpoint["model"])
+    configured = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+    strategy.load_optimizer_state(model, optimizer, checkpoint["optimizer"])
+    changed = []
+    for group, values in zip(optimizer.param_groups, configured):
+        for key, value in values.items():
+            if key != "lr" and _plain(group.get(key)) != _plain(value):
+                changed.append(f"optimizer.{'lr' if key == 'initial_lr' else key} {group.get(key)} -> {value}")
+            group[key] = value
+    if changed:
+        log.info(
+            "resumed with new hyper-parameters, from step %d on: %s", checkpoint["global_step"], ", ".join(changed)
+        )
+    scheduler.load_state_dict(checkpoint["scheduler"])
+    scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]  # the configured lr, not the saved
+    apply_current_step(scheduler)
+    precision.load_state_dict(checkpoint.get("grad_scaler", {}))
+    restore_rng_state(checkpoint["rng"], strategy.device)
+
+
+def _plain(value: Any) -> Any:
+    return tuple(value) if isinstance(value, (list, tuple)) else value
