@@ -1,11 +1,13 @@
 import logging
 import os
+import socket
+import time
 import uuid
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -15,9 +17,10 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.nn.parallel import DistributedDataParallel
 
-from hydraloop.errors import ConfigError, Interrupted, StorageError, WorkerFailed
+from hydraloop.errors import ConfigError, Interrupted, StorageError, WorkerFailed, first_line
 from hydraloop.parallel.single import SingleDevice, resolve_device
 from hydraloop.preemption import STOP_SIGNALS
+from hydraloop.sync_batchnorm import convert_sync_batchnorm
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -48,8 +51,10 @@ class DDPStrategy(SingleDevice):
         static_graph: bool = False,
         max_restarts: int = 0,
         shutdown_timeout_s: float = 60.0,
+        sync_batchnorm: bool = False,
     ) -> None:
         super().__init__(device)
+        self.sync_batchnorm = sync_batchnorm
         use_cuda = resolve_device(device).type == "cuda"  # checked by SingleDevice too; needed for defaults
         self.backend = backend or ("nccl" if use_cuda else "gloo")
         self.timeout = timedelta(seconds=timeout_s)
@@ -63,12 +68,25 @@ class DDPStrategy(SingleDevice):
             raise ConfigError(f"parallel.max_restarts={max_restarts}: must be 0 or more")
         self.max_restarts = max_restarts
         self.shutdown_timeout_s = shutdown_timeout_s
-        self.launched_outside = all(key in os.environ for key in LAUNCHER_ENV)
+        given = [key for key in LAUNCHER_ENV if key in os.environ]
+        self.launched_outside = len(given) == len(LAUNCHER_ENV)
+        if given and not self.launched_outside:
+            missing = [key for key in LAUNCHER_ENV if key not in os.environ]
+            shown = ", ".join(f"{key}={os.environ[key]}" for key in given)
+            raise ConfigError(
+                f"{shown}: set without {' and '.join(missing)}; a launcher (torchrun, SLURM) sets all of "
+                f"{', '.join(LAUNCHER_ENV)} for each rank it starts. Unset {' and '.join(given)} to have this "
+                "process start its own ranks"
+            )
         if self.launched_outside:
-            self.rank = int(os.environ["RANK"])
-            self.local_rank = int(os.environ["LOCAL_RANK"])
-            self.world_size = int(os.environ["WORLD_SIZE"])
-            _check_one_gpu_per_rank(device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+            self.rank, self.local_rank, self.world_size = (
+                _env_int(key) for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+            )
+            if "MASTER_PORT" in os.environ:
+                _env_int("MASTER_PORT")
+            if not 0 <= self.rank < self.world_size:
+                raise ConfigError(f"RANK={self.rank}: must be in [0, WORLD_SIZE={self.world_size})")
+            _check_one_gpu_per_rank(device, _env_int("LOCAL_WORLD_SIZE", 1))
             return
         self.nproc_per_node = (
             nproc_per_node if nproc_per_node is not None else (torch.cuda.device_count() if use_cuda else 2)
@@ -118,27 +136,51 @@ class DDPStrategy(SingleDevice):
                 raise StorageError(str(message).removeprefix("StorageError: ")) from None
             raise WorkerFailed(f"rank {rank} failed (exit code {failure.exitcode}): {message}") from None
 
+    def check(self, cfg: Any) -> None:
+        super().check(cfg)
+        threads = os.environ.get("OMP_NUM_THREADS")
+        if threads is not None and not _positive_int(threads):
+            log.warning(
+                "OMP_NUM_THREADS=%s: not a number of threads; ignored: each rank computes with its share of the cores",
+                threads,
+            )
+
     def setup(self) -> None:
         super().setup()
-        if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        if self.device.type == "cpu" and not _positive_int(os.environ.get("OMP_NUM_THREADS", "")):
             # Ranks share the cores this process may use (its affinity: a parallel sweep's share, a taskset);
             # without this each would start one thread per core.
             local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
             torch.set_num_threads(max(1, cores // local_world_size))
-        dist.init_process_group(
-            self.backend,
-            store=_attempt_store(self.timeout),
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout=self.timeout,
-            device_id=self.device if self.device.type == "cuda" else None,
-        )
+        store = _attempt_store(self.timeout)
+        try:
+            if store is None and self.rank > 0:
+                _wait_for_rank_zero(self.timeout.total_seconds())
+            dist.init_process_group(
+                self.backend,
+                store=store,
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=self.timeout,
+                device_id=self.device if self.device.type == "cuda" else None,
+            )
+        except (dist.DistError, TimeoutError) as error:  # a store that never answers, peers that never come
+            where = ":".join(os.environ.get(key, "?") for key in ("MASTER_ADDR", "MASTER_PORT"))
+            raise WorkerFailed(
+                f"rank {self.rank} of {self.world_size}: the process group did not form at {where} within "
+                f"parallel.timeout_s={self.timeout.total_seconds():g} ({first_line(error)}); start every rank, with "
+                "the same MASTER_ADDR and MASTER_PORT"
+            ) from None
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        model = super().wrap(model)
+        model = super().wrap(self.with_global_batchnorm(model))
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids, **self.ddp_options)
+
+    def with_global_batchnorm(self, model: nn.Module) -> nn.Module:
+        """parallel.sync_batchnorm=true: batch norm over the global batch (hydraloop.sync_batchnorm)."""
+        return convert_sync_batchnorm(model, self.device) if self.sync_batchnorm else model
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
         return model.no_sync()
@@ -151,9 +193,44 @@ class DDPStrategy(SingleDevice):
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
 
+    def sync_buffers(self, model: nn.Module) -> None:
+        # DDP broadcasts rank 0's buffers at the next training forward; validation and the checkpoint come first.
+        for buffer in self.unwrap(model).buffers():
+            dist.broadcast(buffer, src=0)
+
     def teardown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _wait_for_rank_zero(timeout_s: float) -> None:
+    """Waits until rank 0's store (MASTER_ADDR:MASTER_PORT) accepts a connection, or raises TimeoutError. torch's
+    own client would print a C++ stack per attempt before its Python error."""
+    address, port = os.environ.get("MASTER_ADDR", "localhost"), _env_int("MASTER_PORT", 29500)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((address, port), timeout=1).close()
+            return
+        except OSError as error:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no answer from {address}:{port}: {error.strerror or error}") from None
+            time.sleep(0.2)
+
+
+def _env_int(key: str, default: int | None = None) -> int:
+    """An environment variable a launcher sets, as the number it must be; one line naming it if it is not."""
+    value = os.environ.get(key)
+    if value is None and default is not None:
+        return default
+    try:
+        return int(str(value))
+    except ValueError:
+        raise ConfigError(f"{key}={value}: must be an integer (a launcher's setting: torchrun, SLURM)") from None
+
+
+def _positive_int(text: str) -> bool:
+    return text.strip().isdigit() and int(text) > 0
 
 
 def _check_one_gpu_per_rank(device: str, local_ranks: int) -> None:
