@@ -9,11 +9,12 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, replace
+from pathlib import Path
 
 import pytest
 
 from hydraloop.errors import ConfigError
-from hydraloop.run_lock import LOCK_FILE, Owner, may_own, release, take
+from hydraloop.run_lock import LOCK_FILE, Owner, release, take
 
 JOB_ENV = ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
 
@@ -41,6 +42,15 @@ def holder(pid: int, host: str | None = None, **fields) -> Owner:
 
 def write_lock(run_dir, owner: Owner) -> None:
     (run_dir / LOCK_FILE).write_text(json.dumps(asdict(owner)))
+
+
+def may_own(run_dir) -> bool:
+    """Whether a new run could take the directory's lock now: there is none, or its holder's is stale. Only looks."""
+    path = Path(run_dir) / LOCK_FILE
+    if not path.exists():
+        return True
+    holder = Owner(**json.loads(path.read_text() or "{}")) if path.read_text() else None
+    return holder is None or holder.stale_for(Owner.this_process()) is not None
 
 
 def test_taken_then_released(tmp_path):

@@ -18,7 +18,8 @@ import torch
 
 from conftest import TRAIN, bad_input_line, max_param_diff, wait_for
 from hydraloop.errors import STORAGE_EXIT_CODE
-from hydraloop.run_lock import LOCK_FILE, may_own
+from hydraloop.run_lock import LOCK_FILE
+from test_run_lock import may_own
 
 pytestmark = pytest.mark.slow
 
@@ -151,7 +152,7 @@ def test_a_run_directory_that_cannot_be_written_is_refused_before_any_rank_start
     if fault == "read-only file system":
         wrapper = in_a_read_only_mount(run_dir)
         refused = run_train("parallel=ddp", "trainer.max_epochs=2", run_dir=run_dir, wrapper=wrapper)
-        expected = f"run directory {run_dir}: cannot be written: Read-only file system (EROFS)"
+        expected = f"hydra.run.dir={run_dir}: cannot be written: Read-only file system (EROFS)"  # before Hydra runs
     else:
         preexec_fn = without_permission_override()
         unwritable = run_dir if fault == "permission denied" else run_dir / "checkpoints"
@@ -160,8 +161,8 @@ def test_a_run_directory_that_cannot_be_written_is_refused_before_any_rank_start
             refused = run_train("parallel=ddp", "trainer.max_epochs=2", run_dir=run_dir, preexec_fn=preexec_fn)
         finally:
             unwritable.chmod(0o755)
-        folder = "run directory" if unwritable == run_dir else "run directory folder"
-        expected = f"{folder} {unwritable}: cannot be written: Permission denied (EACCES)"
+        where = f"hydra.run.dir={run_dir}" if unwritable == run_dir else f"run directory folder {unwritable}"
+        expected = f"{where}: cannot be written: Permission denied (EACCES)"
     assert bad_input_line(refused).endswith(expected)
     assert "[rank 1]" not in refused.output  # refused by the launcher: no rank started
     assert contents(run_dir) == before  # Hydra's .hydra/ and train.log included

@@ -1,9 +1,9 @@
 """Stopping on request: SIGTERM or SIGUSR1 (what SLURM sends on preemption or before a time limit, and what torchrun
 forwards to its workers when it is itself asked to stop), and SIGUSR2 (submitit's time-limit warning).
 
-The handler only records the signal. The loop acts on it at its next logging step or epoch end, where the ranks
-already meet in an all-reduce: the request travels in that reduction, so every rank stops after the same step even
-if the signal reached only some of them, or reached them at different steps.
+The handler only records the signal. The loop acts on it where the ranks next meet in an all-reduce (a logging,
+validation or checkpoint step, or the epoch end): the request travels in that reduction, so every rank stops after
+the same step even if the signal reached only some of them, or reached them at different steps.
 
 A handler that was installed before (submitit's, which requeues the job on SIGUSR2) is called once the checkpoint is
 written, instead of at once in the middle of a step: the requeued job then resumes from that checkpoint.
@@ -31,7 +31,10 @@ class StopRequest:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if not self.signum:
             self.signum = signum
-            log.warning("got %s: stopping after the next logging step, with a checkpoint", signal.Signals(signum).name)
+            log.warning(
+                "got %s: stopping at the next logging, validation or checkpoint step (or epoch end), with a checkpoint",
+                signal.Signals(signum).name,
+            )
 
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():  # Python delivers signals to the main thread only

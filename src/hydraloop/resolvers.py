@@ -57,31 +57,6 @@ def shared_run_path() -> str:
     return name
 
 
-def rank_zero_only(value: Any) -> Any:
-    """`value` in rank 0 (or a process that is not a rank), null elsewhere: for Hydra's `.hydra/` subfolder, which
-    every rank would otherwise write into the shared run folder. Hydra resolves it before `main` runs, so before
-    hydraloop.parallel.cluster sets RANK in a submitit task: there the task's own rank variables tell."""
-    for key in ("RANK", "SLURM_PROCID", "SUBMITIT_LOCAL_GLOBALID"):
-        if key in os.environ:
-            return value if os.environ[key] == "0" else None
-    return value
-
-
-def run_owner_only(value: Any) -> Any:
-    """`value` in the process that will own the run directory, null elsewhere: for Hydra's `.hydra` subfolder,
-    which Hydra writes before `main` runs. That process is rank 0 (see rank_zero_only), when the directory can be
-    written and no other live run holds it (hydraloop.run_lock): a run refused at start leaves the owner's `.hydra`
-    alone."""
-    from hydra.core.hydra_config import HydraConfig
-
-    from hydraloop.run_lock import may_own
-
-    value = rank_zero_only(value)
-    if value is None or not HydraConfig.initialized():
-        return value
-    return value if may_own(HydraConfig.get().runtime.output_dir) else None
-
-
 class ResolverConfigError(InterpolationResolutionError, ConfigError):
     """A ConfigError raised by a resolver. OmegaConf passes its own errors through as they are, where it would wrap
     any other in a message of several lines and drop the cause: so this one still ends the run as one line."""
@@ -101,16 +76,14 @@ def _reporting_config_errors(resolver: Callable[..., Any]) -> Callable[..., Any]
 
 
 def register_resolvers() -> None:
-    """`${sweep_direction:max}` -> maximize (for sweepers), `${shared_run_path:}`, `${rank_zero_only:value}`,
-    `${run_owner_only:value}`, `${default_metric:<task class>}`, `${metric_mode:<task class>,<metric>}`, data=text's
-    `${text_vocab:path,level}` and `${text_vocab_size:vocab}`, `${image_folder_classes:root}`,
-    `${linear_scaling:0.1,256,${data.batch_size}}` and `${resize_for_center_crop:224}`."""
+    """`${sweep_direction:max}` -> maximize (for sweepers), `${shared_run_path:}`, `${default_metric:<task class>}`,
+    `${metric_mode:<task class>,<metric>}`, data=text's `${text_vocab:path,level}` and `${text_vocab_size:vocab}`,
+    `${image_folder_classes:root}`, `${linear_scaling:0.1,256,${data.batch_size}}` and `${resize_for_center_crop:224}`.
+    """
     from hydraloop.data import text  # here, not at the top: the module imports torch and numpy
 
     resolvers: dict[str, Callable[..., Any]] = {
         "sweep_direction": lambda mode: {"max": "maximize", "min": "minimize"}[mode],
-        "rank_zero_only": rank_zero_only,
-        "run_owner_only": run_owner_only,
         "default_metric": lambda task: get_class(task).default_metric,
         # An unknown metric gets a placeholder here: check_task names the valid ones in one line.
         "metric_mode": lambda task, metric: get_class(task).metrics.get(metric, "max"),

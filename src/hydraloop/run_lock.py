@@ -149,22 +149,6 @@ def release(run_dir: Path, me: Owner) -> None:
             os.close(fd)
 
 
-def may_own(run_dir: str | Path) -> bool:
-    """Whether this process could take the lock of `run_dir`: it and its folders can be written, and no live run
-    holds it. A quick look, without the lock (`take` and `check_writable` decide)."""
-    if not all(os.access(folder, os.W_OK) for folder in _written_folders(Path(run_dir))):
-        return False
-    try:
-        fd = os.open(Path(run_dir) / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return True
-    try:
-        holder = _read(fd)
-    finally:
-        os.close(fd)
-    return holder is None or holder.stale_for(Owner.this_process()) is not None
-
-
 def _written_folders(run_dir: Path) -> list[Path]:
     """The run directory and the folders in it that a run writes into (Hydra writes `.hydra` before `main`)."""
     return [run_dir, *(path for path in run_dir.iterdir() if path.is_dir() and path.name != ".hydra")]

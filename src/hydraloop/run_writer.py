@@ -86,6 +86,8 @@ class RunWriter(NullRunWriter):
         ones stay. A write that fails leaves last.pt and best.pt as they were."""
         if not self.save_checkpoints:
             return
+        with self._logger_errors():
+            self.logger.flush()  # every record up to this checkpoint is on disk before it is
         state = make_state()
         step = state["global_step"]
         saved = step_checkpoint(self.checkpoint_dir, step)

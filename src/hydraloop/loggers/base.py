@@ -79,6 +79,11 @@ class NullLogger:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         pass
 
+    def flush(self) -> None:
+        """Before every checkpoint: what was logged is on disk (as far as the tracker's client allows). A run killed
+        after the checkpoint resumes from it and logs again only what came after; what came before must not be lost
+        with the process."""
+
     def interrupted(self) -> None:
         """A stop signal ends the run after a checkpoint, and a rerun will continue it: written out, and marked
         preempted where the tracker has such a state."""
@@ -100,6 +105,10 @@ class LoggerGroup(NullLogger):
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         for logger in self.loggers:
             logger.log_metrics(metrics, step)
+
+    def flush(self) -> None:
+        for logger in self.loggers:
+            logger.flush()
 
     def interrupted(self) -> None:
         for logger in self.loggers:

@@ -40,6 +40,9 @@ class TensorBoardLogger(NullLogger):
         for name, value in metrics.items():
             self.writer.add_scalar(name, value, step)
 
+    def flush(self) -> None:
+        self.writer.flush()  # the event writer's queue, written out (it would wait for flush_secs)
+
     def interrupted(self) -> None:
         self.writer.flush()
 
