@@ -56,6 +56,8 @@ from make_image_folder import DEFAULT_ROOT, write_digits  # noqa: E402
 
 from hydraloop.config import register_configs  # noqa: E402
 from hydraloop.data.loaders import build_loaders  # noqa: E402
+from hydraloop.errors import ConfigError  # noqa: E402
+from hydraloop.storage import check_makeable  # noqa: E402
 
 # Both loops run in the process state src/train.py gives its own: what the imports made (torch._dynamo included,
 # which every optimizer imports) frozen out of later collections. Otherwise a full collection, ~0.2 s over torch's
@@ -168,6 +170,20 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS), help="(a)'s")
     parser.add_argument("--ddp-procs", nargs="+", type=int, default=[1, 2], help="(c): parallel=ddp with these many")
     args = parser.parse_args()
+    counts = (
+        ("--repeats", [args.repeats]),
+        ("--loop-processes", [args.loop_processes]),
+        ("--ddp-procs", args.ddp_procs),
+    )
+    for flag, values in counts:
+        if min(values) < 1:
+            parser.error(f"{flag} {' '.join(map(str, values))}: must be at least 1")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: CUDA is not available on this machine")
+    try:
+        check_makeable(args.out.parent, "--out")  # before the measurements, which take minutes
+    except ConfigError as error:
+        parser.error(str(error))
     register_configs()
     device = torch.device(
         "cuda"

@@ -3,10 +3,10 @@
     python scripts/make_image_folder.py [ROOT] [--size 32]
 
 ROOT (default: $XDG_CACHE_HOME/hydraloop/digits_images, where experiment=images_resnet looks) gets the layout
-data=image_folder reads, ROOT/train/<digit>/<n>.png and ROOT/val/<digit>/<n>.png: 1437 training and 360 validation
+data=image_folder reads, ROOT/train/<digit>/<n>.png and ROOT/val/<digit>/<n>.png: 1438 training and 359 validation
 images of 10 classes, the split data=digits uses (20% held out, split_seed 0). Each image is upscaled to SIZE x SIZE
-grey pixels (bicubic), dark ink on white as on paper. An existing ROOT is left as it is: it is written in a
-temporary folder and renamed, so it is complete whenever it exists.
+grey pixels (bicubic), dark ink on white as on paper. A ROOT that already holds files is left as it is (an empty
+one is written into); ROOT is written in a temporary folder and renamed, so it is complete whenever it has files.
 """
 
 import argparse
@@ -18,12 +18,15 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from hydraloop.errors import ConfigError
+from hydraloop.storage import check_makeable
+
 DEFAULT_ROOT = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hydraloop" / "digits_images"
 
 
 def write_digits(root: Path, size: int = 32, val_fraction: float = 0.2, split_seed: int = 0) -> Path:
-    """Writes the folder (unless `root` exists); returns `root`."""
-    if root.exists():
+    """Writes the folder (unless `root` already holds files); returns `root`."""
+    if has_files(root):
         return root
     from sklearn.datasets import load_digits
 
@@ -51,6 +54,10 @@ def write_digits(root: Path, size: int = 32, val_fraction: float = 0.2, split_se
     return root
 
 
+def has_files(root: Path) -> bool:
+    return root.is_dir() and any(root.iterdir())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("root", nargs="?", type=Path, default=DEFAULT_ROOT)
@@ -58,7 +65,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.size < 1:
         parser.error(f"--size {args.size}: must be a positive number of pixels")
-    existed = args.root.exists()
+    if args.root.exists() and not args.root.is_dir():
+        parser.error(f"{args.root}: a file, not a folder")
+    existed = has_files(args.root)
+    if not existed:
+        try:
+            check_makeable(args.root, "ROOT")
+        except ConfigError as error:
+            parser.error(str(error))
     write_digits(args.root, args.size)
     print(f"{args.root}: {'already there, left as it is' if existed else 'written'}")
 

@@ -89,6 +89,12 @@ def load_language_model(path: Path, device: torch.device) -> tuple[torch.nn.Modu
             f"{path}: not a language-model checkpoint (its data config has no vocab; train with data=text)"
         )
     model = instantiate(config["model"])
+    if not callable(getattr(model, "generate", None)):
+        task = (config.get("task") or {}).get("_target_", "?")
+        raise ConfigError(
+            f"{path}: its model, {type(model).__name__} (task {task}), is not a language model with a generate "
+            "method; scripts/sample.py samples from those (model=gpt with task=language_model)"
+        )
     model.load_state_dict(checkpoint["model"])
     return model.to(device).eval(), data["vocab"]
 

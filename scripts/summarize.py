@@ -31,6 +31,9 @@ from typing import Any
 
 import yaml
 
+from hydraloop.errors import ConfigError
+from hydraloop.storage import check_makeable
+
 RUN_METRICS = ("train/loss", "epoch", "wall_time_s")
 """Shown after the task's validation metrics (those of the jobs' metrics.json), which come first."""
 CURVES = (("val/acc", "validation accuracy"), ("val/loss", "validation loss"))
@@ -75,6 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     if not sweep_dir.is_dir():
         print(f"summarize: {sweep_dir}: no such folder", file=sys.stderr)
         return 2
+    out: Path = args.out or sweep_dir
+    try:
+        check_makeable(out, "--out")
+    except ConfigError as error:
+        print(f"summarize: {error}", file=sys.stderr)
+        return 2
     job_dirs = sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
     if not job_dirs:
         print(f"summarize: {sweep_dir}: no job folders (0, 1, ...); is it a multirun folder?", file=sys.stderr)
@@ -92,7 +101,6 @@ def main(argv: list[str] | None = None) -> int:
 
     configurations = group_folds(jobs, metric, mode)
 
-    out: Path = args.out or sweep_dir
     out.mkdir(parents=True, exist_ok=True)
     markdown = render_markdown(sweep_dir, jobs, metric, mode, common, skipped=len(job_dirs) - len(jobs))
     if configurations:

@@ -18,6 +18,7 @@ import importlib
 import logging
 import sys
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,16 +29,9 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from hydraloop.backends import configure_backends
-from hydraloop.checkpoint import TrainState, check_resumable, checkpoint_to_resume, resume
-from hydraloop.checks import (
-    check_arguments,
-    check_config,
-    check_group_options,
-    check_model,
-    check_optimization,
-    check_required,
-    check_task,
-)
+from hydraloop.checkpoint import TrainState, load_checkpoint
+from hydraloop.checks import check_launch, check_required
+from hydraloop.command_line import check_command_line
 from hydraloop.config import register_configs
 from hydraloop.data.loaders import build_loaders
 from hydraloop.errors import (
@@ -45,7 +39,9 @@ from hydraloop.errors import (
     Interrupted,
     StorageError,
     TrainingDiverged,
+    WorkerFailed,
     exit_on_error,
+    require,
     unwrap_instantiation,
 )
 from hydraloop.loggers import JobInfo, build_logger
@@ -54,19 +50,32 @@ from hydraloop.parallel.single import SingleDevice
 from hydraloop.parallel.sweep_share import take_machine_share
 from hydraloop.perf import Throughput, flops_per_sample, peak_flops
 from hydraloop.precision import Precision
-from hydraloop.predict import load_inputs, predict
+from hydraloop.predict import predict
 from hydraloop.preemption import StopRequest
 from hydraloop.rank_logging import FORMAT, setup_rank_logging
+from hydraloop.resume import (
+    check_resumable,
+    checkpoint_to_resume,
+    finished_records,
+    is_own,
+    load_weights,
+    restore,
+    train_state,
+)
 from hydraloop.run_lock import owned_run_directory
+from hydraloop.run_records import held_until_accepted, holds_training_run
 from hydraloop.run_writer import NullRunWriter, RunWriter
 from hydraloop.seeding import seed_everything
-from hydraloop.trainer import Trainer, batches_per_epoch, planned_steps
+from hydraloop.trainer import Trainer, planned_steps
 
 gc.freeze()
 gc.enable()
 
 log = logging.getLogger("hydraloop.train")
 register_configs()
+# conf/hydra/launcher/joblib.yaml replaces the joblib plugin's own option of that name (fixing n_jobs): Hydra then
+# validates it against the plugin's schema, as intended, and says at every composition that this will change.
+warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/joblib' is validated against ConfigStore schema")
 
 
 def train(cfg: DictConfig, job: JobInfo) -> dict:
@@ -85,7 +94,7 @@ def train(cfg: DictConfig, job: JobInfo) -> dict:
         # write and a stop signal: the launcher reports them as one line. Anything else is a failure, logged with its
         # traceback.
         cause = unwrap_instantiation(error)
-        if isinstance(cause, (ConfigError, TrainingDiverged, StorageError, Interrupted)):
+        if isinstance(cause, (ConfigError, TrainingDiverged, StorageError, Interrupted, WorkerFailed)):
             raise cause from None
         log.exception("training failed")
         raise
@@ -125,6 +134,7 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice, job: JobInfo) -> dict
         device=strategy.device,
         on_device=cfg.data.on_device,
         prefetch_factor=cfg.data.prefetch_factor,
+        limit_train_batches=cfg.trainer.limit_train_batches,
     )
 
     seed_everything(cfg.seed)  # the same on every rank: DDP starts from the weights single-process starts from
@@ -133,7 +143,6 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice, job: JobInfo) -> dict
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log.info("model %s: %s parameters (%s trainable)", type(model).__name__, f"{num_params:,}", f"{trainable:,}")
     throughput = Throughput(
-        cfg.data.batch_size,
         task.tokens_per_sample,
         flops_per_sample(model, task.tokens_per_sample),
         peak_flops(strategy.device, cfg.trainer.peak_tflops),
@@ -145,15 +154,21 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice, job: JobInfo) -> dict
         model.compile()  # in place: no wrapper, so checkpoint keys stay those of the plain model
     model = strategy.wrap(model)
     optimizer = instantiate(cfg.optimizer)(model.parameters())
-    steps_per_epoch = batches_per_epoch(train_loader, cfg.trainer.limit_train_batches)
-    scheduler = instantiate(cfg.scheduler)(
-        optimizer, total_steps=planned_steps(cfg.trainer, steps_per_epoch), steps_per_epoch=steps_per_epoch
-    )
+    # Per rank, per start: a restarted rank finds the latest checkpoint. Training loads all of it, evaluation the
+    # weights; the state comes first, as the schedule plans the run's steps from where it stands.
+    ckpt_path = checkpoint_to_resume(cfg)
+    own = bool(ckpt_path) and is_own(ckpt_path, cfg)
+    checkpoint = load_checkpoint(ckpt_path) if ckpt_path and cfg.mode == "train" else None
+    state = train_state(checkpoint, cfg, own) if checkpoint else TrainState()
+    sampler = train_loader.sampler
+    total_steps = planned_steps(cfg.trainer.max_steps, cfg.trainer.max_epochs, state, sampler)
+    scheduler = instantiate(cfg.scheduler)(optimizer, total_steps=total_steps, steps_per_epoch=sampler.steps_per_epoch)
     precision = Precision(cfg.trainer.precision, strategy.device)
-    state = TrainState()
-    ckpt_path = checkpoint_to_resume(cfg)  # per rank, per start: a restarted rank finds the latest checkpoint
+    if checkpoint:
+        restore(checkpoint, strategy, model, optimizer, scheduler, precision)
+    elif ckpt_path:
+        state = load_weights(ckpt_path, strategy, model)
     if ckpt_path:
-        state = resume(ckpt_path, strategy, model, optimizer, scheduler, precision, model_only=cfg.mode == "eval")
         log.info("loaded %s: epoch %d, step %d", ckpt_path, state.epoch, state.global_step)
 
     config = OmegaConf.to_container(cfg, resolve=True)
@@ -188,12 +203,15 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice, job: JobInfo) -> dict
         optimized_metric=cfg.optimized_metric,
         optimized_metric_mode=cfg.optimized_metric_mode,
         config=config,
+        global_batch_size=cfg.data.batch_size,
         stop_request=stop_request,
+        rerun_starts_from=f"{ckpt_path} (step {state.global_step})" if ckpt_path else "scratch",
+        validated=checkpoint["metrics"] if own and checkpoint else None,
     )
     if cfg.mode == "eval":
         metrics = trainer.validate(val_loader, state)
     else:
-        with stop_request:  # SIGTERM / SIGUSR1: checkpoint at the next logging step, then stop
+        with stop_request:  # SIGTERM / SIGUSR1: checkpoint where the ranks next meet, then stop
             metrics = trainer.fit(train_loader, val_loader, state)
         if cfg.trainer.eval_best:
             metrics.update(evaluate_best(cfg, strategy, trainer, val_loader))
@@ -203,12 +221,14 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice, job: JobInfo) -> dict
 
 
 def evaluate_best(cfg: DictConfig, strategy: SingleDevice, trainer: Trainer, val_loader) -> dict:
-    """trainer.eval_best: the metrics of checkpoints/best.pt's weights, as best/<name>, with where they were saved."""
+    """trainer.eval_best: the metrics of checkpoints/best.pt's weights, as best/<name>, with where they were saved.
+    None if this run directory has no best.pt (a run that validated nothing new here): said in one line."""
     strategy.all_reduce(torch.zeros(1, device=strategy.device))  # a barrier: rank 0 has written best.pt
-    path = f"{cfg.output_dir}/checkpoints/best.pt"
-    best = resume(
-        path, strategy, trainer.model, trainer.optimizer, trainer.scheduler, trainer.precision, model_only=True
-    )
+    path = Path(cfg.output_dir) / "checkpoints" / "best.pt"
+    if not path.is_file():
+        log.warning("trainer.eval_best=true: %s does not exist (nothing was validated in this run directory)", path)
+        return {}
+    best = load_weights(path, strategy, trainer.model)
     metrics = {**trainer.evaluate(val_loader), "epoch": best.epoch, "global_step": best.global_step}
     return {f"best/{name}": value for name, value in metrics.items()}
 
@@ -228,43 +248,54 @@ def importable(function: Callable) -> Callable:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> float:
-    """Checks the config, starts the ranks, and returns `optimized_metric` to Hydra's sweepers."""
-    with exit_on_error():
+    """Checks the config, starts the ranks, and returns `optimized_metric` to Hydra's sweepers. Nothing is written
+    into the run directory before every check has passed (hydraloop.run_records)."""
+    with exit_on_error(), held_until_accepted(cfg.output_dir) as records:
         check_required(cfg)  # before resolving, which would fail on a `???` with a traceback
         # Resolved here, where Hydra's resolvers work: worker processes get plain values and never touch Hydra.
-        cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True), flags={"struct": True})
+        composed, cfg = cfg, OmegaConf.create(OmegaConf.to_container(cfg, resolve=True), flags={"struct": True})
         export_submitit_rank_env()  # under hydra/launcher=slurm, this process may be one rank of a job
         take_machine_share()  # under hydra/launcher=joblib: this job's GPUs and cores, before CUDA is asked
         strategy = instantiate(cfg.parallel, device=cfg.device)
         setup_rank_logging(strategy.rank, cfg.log_file)  # under torchrun or SLURM every rank runs main: log once
         # The launcher of spawned ranks, or rank 0 where every rank runs main, owns the run directory; a directory
-        # another live run owns, or one that cannot be written, is refused here, before anything is written into it.
+        # another live run owns, or one that cannot be written, is refused here.
         with owned_run_directory(cfg.output_dir, cfg.log_file, owner=strategy.is_main_process):
-            check_config(cfg, strategy.world_size)
-            check_arguments(cfg)
-            if cfg.data.check:  # the data set's own checks, e.g. an image folder's layout
-                instantiate(cfg.data.check)
-            task = instantiate(cfg.task)
-            check_task(cfg, task)
-            check_model(cfg.model)
-            check_optimization(cfg.optimizer, cfg.scheduler)
-            if cfg.mode == "predict":  # the file fits the model: before any rank starts
-                load_inputs(cfg.data.predict_path, cfg.data.input_shape, tokens=task.tokens_per_sample is not None)
-            strategy.check(cfg)
-            build_logger(cfg.logger)  # its settings and package, checked before any rank starts; writes nothing yet
+            require(
+                cfg.mode == "train" or not holds_training_run(cfg.output_dir),
+                f"mode={cfg.mode}: the run directory {cfg.output_dir} holds a training run's records; the "
+                f"{cfg.mode} run would write its own metrics.json and logs over them: give it a directory of its own "
+                "(without hydra.run.dir, a new one under outputs/)",
+            )
+            check_launch(cfg, strategy)
             ckpt_path = checkpoint_to_resume(cfg, report=strategy.is_main_process)
             if ckpt_path:
                 check_resumable(ckpt_path, cfg)
+                finished = finished_records(ckpt_path, cfg)
+                if finished is not None:
+                    log.info(
+                        "run directory %s: finished at step %d; its records are left as they are",
+                        cfg.output_dir,
+                        finished["global_step"],
+                    )
+                    records.drop()
+                    return finished.get(cfg.optimized_metric)
+            records.accept(composed, write_config=strategy.is_main_process)
             log.info("run directory: %s\n%s", cfg.output_dir, OmegaConf.to_yaml(cfg).rstrip())
             metrics = strategy.launch(importable(train), cfg, JobInfo.from_hydra())
     log.info("final metrics: %s", {k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()})
     return metrics.get(cfg.optimized_metric)  # none for mode=predict
 
 
+def check_job(cfg: DictConfig) -> None:
+    """The launcher's checks of one job of a sweep, before the first job starts (hydraloop.command_line)."""
+    check_launch(cfg, instantiate(cfg.parallel, device=cfg.device))
+
+
 if __name__ == "__main__":
-    # A group option that does not exist (logger=foo) is bad input like any other: one line, exit 2. Hydra would
-    # report it over several lines, exit 1. Hydra's logging replaces this console handler when it starts.
+    # What Hydra would refuse over many lines (exit 1), or a sweep's job would refuse after others ran, is bad input
+    # like any other: one line, exit 2, before anything starts. Hydra's logging replaces this console handler.
     logging.basicConfig(format=FORMAT, stream=sys.stdout)
     with exit_on_error():
-        check_group_options(sys.argv[1:], Path(__file__).resolve().parent.parent / "conf")
+        check_command_line(sys.argv[1:], Path(__file__).resolve().parent.parent / "conf", check_job)
     main()

@@ -11,7 +11,6 @@ from conftest import REPO, bad_input_line
 from hydraloop.checks import check_group_options
 from hydraloop.errors import ConfigError
 
-HYDRA_EXIT_CODE = 1  # Hydra's own composition errors
 HALF_WRITTEN = ("checkpoints", "metrics.json", "tensorboard")
 
 
@@ -23,13 +22,6 @@ def assert_rejected(run, *expected: str) -> str:
     for name in HALF_WRITTEN:
         assert not (run.run_dir / name).exists(), f"{name} written by a rejected run"
     return error
-
-
-def assert_rejected_by_hydra(run, *expected: str) -> None:
-    assert run.returncode == HYDRA_EXIT_CODE, run.output
-    assert "Traceback" not in run.output, run.output
-    for text in expected:
-        assert text in run.output, run.output
 
 
 @pytest.mark.parametrize(
@@ -51,7 +43,7 @@ def assert_rejected_by_hydra(run, *expected: str) -> None:
         ("trainer.keep_last_k=0", "trainer.keep_last_k=0: must be at least 1"),
         ("trainer.cpu_threads=0", "trainer.cpu_threads=0: must be positive, or null"),
         ("data.prefetch_factor=0", "data.prefetch_factor=0: must be positive, or null"),
-        # Found where the data set is built, in the rank: a split or a batch that leaves an epoch without a step.
+        # Found where the data set is built (in the launcher too): a split or a batch that leaves an epoch stepless.
         ("data.dataset.val_fraction=1.5", "data.dataset.val_fraction=1.5: must be between 0 and 1 (exclusive)"),
         ("data=synthetic data.dataset.num_val=0", "data.dataset.num_val=0: must be positive"),
         (
@@ -112,7 +104,7 @@ def test_global_batch_not_divisible_by_ddp_world_size(run_train):
     # Rejected in the launcher: no rank ever logged (workers would log training or "[rank 1]" lines).
     assert "hydraloop.trainer" not in run.output
     assert "[rank " not in run.output
-    assert run.log.strip().splitlines() == [line for line in run.output.splitlines() if "[ERROR]" in line]
+    assert not run.run_dir.exists()  # refused before anything was written: not even train.log
 
 
 def test_nccl_with_more_processes_than_gpus(run_train):
@@ -216,22 +208,19 @@ def test_a_group_option_registered_in_python_is_an_option():
 
 
 @pytest.mark.parametrize(
-    "override, key",
+    "override, message",
     [
-        ("trainer.max_epochs=abc", "trainer.max_epochs"),
-        ("data.batch_size=1.5", "data.batch_size"),
-        ("seed=xyz", "seed"),
+        ("trainer.max_epochs=abc", "trainer.max_epochs=abc: must be an integer"),
+        ("data.batch_size=1.5", "data.batch_size=1.5: must be an integer"),
+        ("seed=xyz", "seed=xyz: must be an integer"),
+        (
+            "trainer.max_epoch=3",
+            "trainer.max_epoch=3: trainer has no key 'max_epoch'; did you mean trainer.max_epochs?",
+        ),
     ],
 )
-def test_wrong_type_fails_at_composition(run_train, tmp_path, override, key):
+def test_what_hydras_composition_refuses_is_one_line_before_anything_is_made(run_train, tmp_path, override, message):
+    """Hydra's own errors for these span several lines and exit with 1 (hydraloop.command_line composes first)."""
     run = run_train(override, run_dir=tmp_path / "never")
-    assert_rejected_by_hydra(
-        run, f"Error merging override {override}", "could not be converted to Integer", f"full_key: {key}"
-    )
-    assert not run.run_dir.exists()  # composition failed before Hydra made the run directory
-
-
-def test_unknown_key(run_train, tmp_path):
-    run = run_train("trainer.max_epoch=3", run_dir=tmp_path / "never")
-    assert_rejected_by_hydra(run, "Could not override 'trainer.max_epoch'", "Key 'max_epoch' not in 'TrainerConfig'")
+    assert bad_input_line(run).endswith(message)
     assert not run.run_dir.exists()

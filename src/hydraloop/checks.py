@@ -1,13 +1,12 @@
 """What the schema's types cannot say, checked in the launcher before any rank starts: ranges, how the global batch
-splits over the ranks, k-fold settings, the task's fit to data and model, the keys of every node built with
-`instantiate`, the values the model, the optimizer and the scheduler refuse, required values, and the command line's
-group options. A failed check is a ConfigError: one line naming the key and the value, exit 2.
+splits over the ranks, k-fold settings, the task's fit to data and model, the data sets themselves, required values,
+and the command line's group options; `check_launch` runs them all, with the checks of every node built with
+`instantiate` (hydraloop.arguments). A failed check is a ConfigError: one line naming the key and the value, exit 2.
 """
 
 import contextlib
+import dataclasses
 import difflib
-import importlib
-import inspect
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,13 +20,60 @@ from hydra.errors import HydraException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from hydraloop.errors import ConfigError, first_line, require, unwrap_instantiation
+from hydraloop.arguments import check_arguments, check_model, check_optimization, raise_refusal, shown
+from hydraloop.errors import ConfigError, require, unwrap_instantiation
 
 PRECISIONS = ("32", "bf16", "fp16")
 
 
+def check_launch(cfg: Any, strategy: Any) -> Any:
+    """Everything the launcher checks of a job's resolved config before any rank starts, but the run directory and
+    the checkpoint to resume (which src/train.py checks once it owns the directory). Returns the task."""
+    from hydraloop.loggers import build_logger
+    from hydraloop.predict import load_inputs
+
+    check_config(cfg, strategy.world_size)
+    check_arguments(cfg)
+    if cfg.data.check:  # before the task's checks: an image folder that is missing explains its 0 classes
+        _built(cfg, "data.check")
+    task = instantiate(cfg.task)
+    check_task(cfg, task)
+    if not cfg.data.check:
+        check_data(cfg, task)
+    check_model(cfg.model)
+    check_optimization(cfg.optimizer, cfg.scheduler)
+    if cfg.mode == "predict":  # the file fits the model
+        load_inputs(cfg.data.predict_path, cfg.data.input_shape, tokens=task.tokens_per_sample is not None)
+    strategy.check(cfg)
+    build_logger(cfg.logger)  # its settings and package; writes nothing yet
+    return task
+
+
+def check_data(cfg: Any, task: Any) -> None:
+    """The data sets as the ranks will get them: built here (milliseconds for the in-memory ones), so that what their
+    constructors refuse (a file's contents, a split, a text shorter than a sample) and what does not fit the batch or
+    the task is one line before any rank starts. A data set too costly to build twice gives `data.check` instead, a
+    cheaper check of its own (an image folder's: its layout, and one image through both transform lists)."""
+    from hydraloop.data.loaders import check_sizes
+
+    train_set, val_set = _built(cfg, "data.dataset")
+    check_sizes(train_set, val_set, cfg.data.batch_size, cfg.data.drop_last)
+    task.check_targets(torch.as_tensor(train_set[0][1]), f"data.dataset._target_={cfg.data.dataset._target_}")
+
+
+def _built(cfg: Any, path: str) -> Any:
+    """The node at `path`, built; what its constructor refuses as one line (see arguments.raise_refusal)."""
+    node = OmegaConf.select(cfg, path)
+    try:
+        return instantiate(node)
+    except Exception as error:  # noqa: BLE001  bad input is reported, anything else raised
+        raise_refusal(path, node, unwrap_instantiation(error))
+        raise
+
+
 def check_config(cfg: Any, world_size: int) -> None:
     """What the schema's types cannot say: ranges, and how the global batch splits over `world_size` ranks."""
+    _check_schema_keys(cfg)
     require(cfg.mode in ("train", "eval", "predict"), f"mode={cfg.mode}: must be train, eval or predict")
     purpose = {"eval": "evaluate", "predict": "predict with"}.get(cfg.mode)
     require(cfg.mode == "train" or cfg.ckpt_path, f"mode={cfg.mode}: needs ckpt_path=<checkpoint to {purpose}>")
@@ -59,6 +105,7 @@ def check_config(cfg: Any, world_size: int) -> None:
         "ckpt_every_n_steps",
         "peak_tflops",
         "cpu_threads",
+        "max_consecutive_skips",
         "early_stopping.patience",
     ):
         value = OmegaConf.select(cfg.trainer, key)
@@ -101,6 +148,28 @@ def check_config(cfg: Any, world_size: int) -> None:
     _check_folds(cfg.data)
 
 
+def _check_schema_keys(cfg: Any) -> None:
+    """Keys added with `+` to a typed node (`+trainer.max_epchs=1`): Hydra takes them, and nothing would read them."""
+    from hydraloop.config import DataConfig, EarlyStoppingConfig, TrainConfig, TrainerConfig
+
+    for path, schema in (
+        ("", TrainConfig),
+        ("trainer", TrainerConfig),
+        ("trainer.early_stopping", EarlyStoppingConfig),
+        ("data", DataConfig),
+    ):
+        node = OmegaConf.select(cfg, path) if path else cfg
+        fields = [field.name for field in dataclasses.fields(schema)]
+        for key in node if OmegaConf.is_dict(node) else ():
+            if key not in fields:
+                close = difflib.get_close_matches(str(key), fields, n=1)
+                where = path or "the config"
+                raise ConfigError(
+                    f"{path + '.' if path else ''}{key}={shown(node[key])}: {where} has no key {key!r}"
+                    + (f"; did you mean {close[0]}?" if close else "")
+                )
+
+
 def _check_folds(data: Any) -> None:
     num_folds, fold = data.num_folds, data.fold
     if num_folds is None:
@@ -120,101 +189,6 @@ def check_task(cfg: Any, task: Any) -> None:
     task.check(cfg)
     metric, reported = cfg.optimized_metric, task.reported_metrics()
     require(metric in reported, f"optimized_metric={metric}: the task reports {', '.join(reported)}")
-
-
-# The config nodes the ranks build with hydra.utils.instantiate (some completed in code: the optimizer with the
-# parameters, the scheduler with the step counts; only the keys the config gives are checked).
-INSTANTIATED = ("parallel", "data.dataset", "data.check", "task", "model", "optimizer", "scheduler")
-
-
-def check_arguments(cfg: Any) -> None:
-    """Every key of a node built with `instantiate` names an argument its `_target_` takes. Keys are free-form there
-    (`+optimizer.weight_deacy=0.1` adds one), and a misspelt one would otherwise fail in every rank, as a traceback
-    from inside Hydra."""
-    for path in INSTANTIATED:
-        node = OmegaConf.select(cfg, path)
-        if not OmegaConf.is_dict(node) or "_target_" not in node:
-            continue
-        target = _import_target(node._target_, f"{path}._target_")
-        try:
-            parameters = inspect.signature(target).parameters
-        except (TypeError, ValueError):  # a builtin without a signature: its own error will have to do
-            continue
-        if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values()):
-            continue
-        for key in node:
-            if key.startswith("_") and key.endswith("_") or key in parameters:  # _partial_, _recursive_, ...
-                continue
-            close = difflib.get_close_matches(key, parameters, n=1)
-            raise ConfigError(
-                f"{path}.{key}={OmegaConf.select(node, key)}: {node._target_} takes no argument {key!r}"
-                + (f"; did you mean {close[0]}?" if close else f" (it takes {', '.join(parameters)})")
-            )
-
-
-def _import_target(dotted: str, key: str) -> Any:
-    """The object a `_target_` names (a module's attribute, or an attribute of one: module.Class.method)."""
-    parts = str(dotted).split(".")
-    import_error = None  # the longest module path's: what failed inside it, or that it does not exist
-    for split in range(len(parts) - 1, 0, -1):  # the longest importable module first
-        try:
-            target = importlib.import_module(".".join(parts[:split]))
-        except ImportError as error:
-            import_error = import_error or str(error)
-            continue
-        try:
-            for name in parts[split:]:
-                target = getattr(target, name)
-        except AttributeError as error:
-            reason = import_error or str(error)
-            break
-        return target
-    else:
-        reason = import_error or f"{dotted!r} is not a dotted path to an object"
-    raise ConfigError(f"{key}={dotted}: cannot import it: {reason}")
-
-
-def check_model(model: Any) -> None:
-    """The model's checks of its values (an unknown torchvision arch, named weights not in the cache, a GPT's n_embd
-    that does not split into heads, a dropout of 1.5), before any rank starts: its constructor, run on the meta
-    device, which allocates nothing. Only bad input is reported here (a ConfigError, or a ValueError, see _refusal);
-    whatever else a constructor cannot do on the meta device, the ranks meet for real."""
-    try:
-        with torch.device("meta"):
-            instantiate(model)
-    except Exception as error:  # noqa: BLE001  see above
-        _raise_refusal("model", model, unwrap_instantiation(error))
-
-
-def check_optimization(optimizer: Any, scheduler: Any) -> None:
-    """The optimizer's and the scheduler's checks of their values (torch.optim's `Invalid beta parameter at index 1:
-    1.5`), before any rank starts: their constructors, given one CPU parameter. Only bad input is reported, as for
-    the model: what else an optimizer cannot do with a CPU parameter (a fused kernel that is GPU-only), the ranks meet
-    for real."""
-    try:
-        built = instantiate(optimizer)([torch.zeros(1, requires_grad=True)])
-    except Exception as error:  # noqa: BLE001  see above
-        _raise_refusal("optimizer", optimizer, unwrap_instantiation(error))
-        return
-    try:
-        instantiate(scheduler)(built, total_steps=1, steps_per_epoch=1)
-    except Exception as error:  # noqa: BLE001  see above
-        _raise_refusal("scheduler", scheduler, unwrap_instantiation(error))
-
-
-def _raise_refusal(path: str, node: Any, cause: BaseException) -> None:
-    """Raises bad input a constructor found in its config node as one line: its ConfigError (which names the key)
-    as it is, and a ValueError (torch's and torchvision's own checks: `dropout probability has to be between 0 and
-    1`) with the keys its message names, else all of the node's. Anything else is not reported here."""
-    if isinstance(cause, ConfigError):
-        raise cause from None
-    if not isinstance(cause, ValueError):
-        return
-    reason = first_line(cause)
-    keys = [key for key in node if not (key.startswith("_") and key.endswith("_"))]
-    named = [key for key in keys if key.rstrip("s").lower() in reason.lower()] or keys
-    values = ", ".join(f"{path}.{key}={OmegaConf.select(node, key)}" for key in named)
-    raise ConfigError(f"{values}: {node._target_} says: {reason}") from None
 
 
 def check_required(cfg: Any) -> None:

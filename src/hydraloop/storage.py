@@ -85,6 +85,16 @@ def check_writable(directory: Path, names: str = "run directory") -> None:
         raise ConfigError(f"{names} {directory}: cannot be written: {describe(error)}") from None
 
 
+def check_makeable(folder: Path, names: str) -> None:
+    """Bad input (exit 2) unless `folder` exists or can be made, and files can be written in it: whatever of its
+    path exists is a folder, and its nearest existing ancestor takes a new file (tried for real, as above)."""
+    folder = Path(folder)
+    existing = next(path for path in (folder, *folder.absolute().parents) if path.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"{names} {folder}: {existing} is a file, not a folder")
+    check_writable(existing, names if existing == folder else f"{names} {folder}: the folder")
+
+
 def check_appendable(path: Path, names: str) -> None:
     """Bad input (exit 2) unless the existing file `path` can be appended to; a missing one passes (and is not
     made: a run refused later leaves no empty job log behind)."""

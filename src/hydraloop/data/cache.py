@@ -2,9 +2,13 @@
 
 import os
 from collections.abc import Callable
+from contextlib import suppress
 from pathlib import Path
 
 import numpy as np
+
+from hydraloop.errors import ConfigError
+from hydraloop.storage import describe
 
 
 def default_cache_dir() -> Path:
@@ -17,10 +21,16 @@ def cached_arrays(
     """Loads `<cache_dir>/<name>.npz`, first writing it with `make()` if it is missing."""
     path = (Path(cache_dir) if cache_dir else default_cache_dir()) / f"{name}.npz"
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
         # Ranks may build it at once: each writes its own temporary file, and the rename is atomic.
         tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")
-        np.savez(tmp, **make())
-        os.replace(tmp, path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            np.savez(tmp, **make())
+            os.replace(tmp, path)
+        except OSError as error:
+            with suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            where = cache_dir if cache_dir else f"null (the default, {path.parent})"
+            raise ConfigError(f"data.dataset.cache_dir={where}: cannot be written: {describe(error)}") from None
     with np.load(path) as arrays:
         return dict(arrays)

@@ -45,8 +45,16 @@ def check_image_folder(
     classes = _check_layout(root, num_classes)
     first = _first_image(root / "train" / classes[0])
     image = _load_rgb(str(first), root=str(root))
+    sizes = [int(size) for size in input_shape]
+    if min(sizes) < 1:
+        raise ConfigError(f"data.input_shape={sizes}: must be positive sizes (data.image_size sets the last two)")
     for key, configs in (("data.train_transforms", train_transforms), ("data.val_transforms", val_transforms)):
-        sample = _compose(configs, key)(image)
+        try:
+            sample = _compose(configs, key)(image)
+        except ConfigError:
+            raise
+        except Exception as error:  # noqa: BLE001  a transform that refuses its values, or this image
+            raise ConfigError(f"{key}: fails on {first.relative_to(root)}: {first_line(error)}") from None
         if not (isinstance(sample, torch.Tensor) and sample.is_floating_point()):
             raise ConfigError(
                 f"{key}: makes {_kind(sample)} of {first.relative_to(root)}; the list must end in a float tensor, "

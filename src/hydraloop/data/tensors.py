@@ -74,12 +74,6 @@ def load_tensors(
     return TensorDataset(x[train], y[train]), TensorDataset(x[val], y[val])
 
 
-def check_file(path: str) -> None:
-    """`data.check`: the file is there and of a kind read here, checked in the launcher before any rank starts
-    (reading it is the ranks' work)."""
-    _check_path(Path(str(path)), f"data.dataset.path={path}")
-
-
 def read_arrays(path: Path, where: str) -> dict[str, torch.Tensor]:
     """A .npz or .pt file's arrays as tensors, by name (`where` names the config key in errors)."""
     suffix = _check_path(path, where)
@@ -90,7 +84,7 @@ def read_arrays(path: Path, where: str) -> dict[str, torch.Tensor]:
         else:
             loaded = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # a corrupt or foreign file: say so in one line, without the unpickler's story
-        raise ConfigError(f"{where}: cannot be read as {suffix}: {first_line(error)}") from error
+        raise ConfigError(f"{where}: cannot be read as {suffix}: {_reason(error)}") from error
     if not isinstance(loaded, Mapping):
         raise ConfigError(f"{where}: holds a {type(loaded).__name__}; a .pt file must hold a dict of tensors")
     arrays = {}
@@ -102,6 +96,16 @@ def read_arrays(path: Path, where: str) -> dict[str, torch.Tensor]:
                 raise ConfigError(f"{where}: '{key}' has dtype {value.dtype}, which is not numeric") from None
         arrays[str(key)] = value  # anything else is rejected by _checked, if it is a key we use
     return arrays
+
+
+def _reason(error: Exception) -> str:
+    """Why a file could not be loaded. torch's weights-only refusal spans a page, the cause on one line of it."""
+    text = str(error)
+    unpickler = next((line for line in text.splitlines() if "WeightsUnpickler error:" in line), None)
+    if unpickler is None:
+        return first_line(error)
+    cause = unpickler.split("WeightsUnpickler error:", 1)[1].split(". Please use")[0].strip()
+    return f"it holds more than tensors, which loading without running code refuses ({cause}); save a dict of tensors"
 
 
 def _check_path(path: Path, where: str) -> str:

@@ -18,6 +18,7 @@ from urllib.parse import urlparse
 
 from hydraloop.errors import ConfigError
 from hydraloop.loggers.base import NullLogger, RunInfo, require_package
+from hydraloop.storage import check_appendable, check_writable
 
 MAX_BATCH = 100  # MLflow takes at most this many params (and 1000 metrics) per log_batch call
 
@@ -140,7 +141,14 @@ def _checked_uri(uri: str) -> str:
     if uri.startswith("sqlite:///"):
         path = Path(uri.removeprefix("sqlite:///")).resolve()
         existing = next(parent for parent in path.parents if parent.exists())
-        if not existing.is_dir() or not os.access(existing, os.W_OK):
+        if not existing.is_dir():
             raise ConfigError(f".tracking_uri={uri}: cannot make the database in {path.parent}")
+        try:
+            # Tried for real (os.access, for root, sees no read-only mount or immutable folder): the database and
+            # the folder it is in (SQLite writes a journal beside it).
+            check_writable(existing, "folder")
+            check_appendable(path, "database")
+        except ConfigError as error:
+            raise ConfigError(f".tracking_uri={uri}: {error}") from None
         return f"sqlite:///{path}"
     return uri

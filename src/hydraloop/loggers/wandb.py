@@ -18,7 +18,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from hydraloop.errors import ConfigError
 from hydraloop.loggers.base import NullLogger, RunInfo, require_package
+
+MODES = ("online", "offline", "disabled", "shared")
 
 
 class WandbLogger(NullLogger):
@@ -34,6 +37,8 @@ class WandbLogger(NullLogger):
         """`group` null: a multirun's folder, so its jobs form one group; `mode` null: WANDB_MODE if set, else
         online with credentials and offline without."""
         require_package("wandb", extra="wandb")
+        if mode is not None and mode not in MODES:
+            raise ConfigError(f".mode={mode}: must be one of {', '.join(MODES)}, or null (offline without credentials)")
         self.project, self.entity, self.group, self.tags, self.name = project, entity, group, list(tags), name
         self.mode = mode or (None if os.environ.get("WANDB_MODE") else "online" if _has_credentials() else "offline")
 

@@ -1,0 +1,236 @@
+"""The bad-input promise, one row per kind of mistake, through the real command line: one line naming the key and
+the value, exit 2, no traceback, and nothing written (a new run directory is never made). The kinds are those of a
+campaign of 182 plausible mistakes: Hydra's composition errors, errors that used to escape as Hydra's "Error
+executing job", what only a rank used to find, tracebacks, misleading one-liners, and the helper scripts."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import REPO, TRAIN, bad_input_line, free_port
+
+SEARCH = "hparams_search=mnist1d_optuna"
+ROWS = [
+    # Hydra's composition: a misspelt key, a wrong type, a key of another option, a sweep without -m.
+    (["trainer.max_epchs=1"], "trainer.max_epchs=1: trainer has no key 'max_epchs'; did you mean trainer.max_epochs?"),
+    (["trainer.compile=ture"], "trainer.compile=ture: must be true or false"),
+    (["trainer.limit_train_batches=0.5"], "trainer.limit_train_batches=0.5: must be an integer"),
+    (["data.input_shape=5"], "data.input_shape=5: must be a list"),
+    (["parallel.nproc_per_node=2"], "(it is a key of parallel=ddp and parallel=fsdp)"),
+    (["+trainer.max_epchs=1"], "trainer.max_epchs=1: trainer has no key 'max_epchs'; did you mean max_epochs?"),
+    (["trainer.max_epochs=[1"], "trainer.max_epochs=[1: Hydra cannot parse it"),
+    (["optimizer.lr=0.1,abc"], "optimizer.lr=0.1,abc: a sweep; add -m"),
+    (["hparams_search=mnist1d_optuna"], "hparams_search=mnist1d_optuna: a search runs its trials as a sweep: add -m"),
+    # Every job of a sweep, before the first runs.
+    (["-m", "optimizer.lr=0.1,abc,0.01"], "optimizer.lr=abc: must be a positive finite number (in the sweep's job"),
+    # A search space, direction or budget that Optuna or joblib would refuse.
+    (
+        ["-m", "hparams_search=mnist1d_optuna", "hydra.sweeper.params.optimizer.lr=interval(1e-2, 1e-4)"],
+        "Optuna refuses it",
+    ),
+    (
+        ["-m", "hparams_search=mnist1d_optuna", "hydra.sweeper.n_trials=0"],
+        "hydra.sweeper.n_trials=0: must be a positive",
+    ),
+    (["-m", "hparams_search=mnist1d_optuna", "hydra.sweeper.direction=maximise"], "must be minimize or maximize"),
+    (["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=0", "seed=0,1"], "hydra.launcher.n_jobs=0: jobs at once"),
+    # What escaped hydraloop's handler as Hydra's "Error executing job".
+    (["logger=wandb", "+logger.project=x"], "logger.project=x: not a logger"),
+    (["+logger.tensorboard.flush_sec=5"], "TensorBoardLogger takes no argument 'flush_sec'"),
+    (["logger=mlflow", "logger.mlflow.tags=baseline"], "logger.mlflow.tags=baseline: must be a mapping"),
+    (["logger=wandb", "logger.wandb.tags=baseline"], "logger.wandb.tags=baseline: must be a list, e.g. [baseline]"),
+    (["logger=wandb", "logger.wandb.mode=offlin"], "logger.wandb.mode=offlin: must be one of online, offline"),
+    # What only a rank used to find, after the config dump: now the launcher, before any rank starts.
+    (["parallel=ddp", "data.batch_size=2048"], "data.batch_size=2048: more than the training set's 1438 samples"),
+    (["parallel=ddp", "data.dataset.val_fraction=1.5"], "data.dataset.val_fraction=1.5: must be between 0 and 1"),
+    (["experiment=text_gpt", "data.dataset.path=SHORT_TEXT"], "data.block_size=64: the train split of"),
+    # Tracebacks from constructors and launchers.
+    (["model.hidden_sizes=256"], "model.hidden_sizes=256: must be a list, e.g. [256] (hydraloop.models.mlp.MLP)"),
+    (["model=gpt", "data=text", "task=language_model", "model.n_layer=2.5"], "model.n_layer=2.5: must be an integer"),
+    (["data=mnist1d", "data.dataset.cache_dir=A_FILE/cache"], "data.dataset.cache_dir=A_FILE/cache: cannot be written"),
+    (["hydra.run.dir=A_FILE/run"], "hydra.run.dir=A_FILE/run: A_FILE is a file, not a folder"),
+    (["logger=mlflow", "logger.mlflow.tracking_uri=sqlite:///A_FILE/mlflow.db"], "cannot make the database in A_FILE"),
+]
+TENSORS = ("data=tensors", "data.input_shape=[3]", "data.num_classes=3")
+TENSOR_FILES = [
+    ({"x": np.zeros((10, 3), np.float32), "y": np.arange(10)}, "'y' holds labels from 0 to 9, outside [0,"),
+    ({"x": np.zeros((10, 3), np.float32), "y": np.arange(10), "regression": True}, "integer labels; data.target_shape"),
+    ({"x": np.zeros((10, 3), np.float32), "y": np.eye(10, 3)}, "labels must be integer class indices"),
+    ({"x": np.full((10, 3), np.nan, np.float32), "y": np.zeros(10, np.int64)}, "'x' holds 30 NaN or infinite"),
+]
+
+
+@pytest.fixture
+def made(tmp_path):
+    """Files the rows name: a short text, a file in the way of a folder."""
+    (tmp_path / "short.txt").write_text("hello")
+    (tmp_path / "a-file").write_text("")
+    return {"SHORT_TEXT": str(tmp_path / "short.txt"), "A_FILE": str(tmp_path / "a-file")}
+
+
+def substituted(items: list[str], made: dict[str, str]) -> list[str]:
+    for name, value in made.items():
+        items = [item.replace(name, value) for item in items]
+    return items
+
+
+def assert_refused_before_anything(run, expected: str, sweep_dir: Path) -> None:
+    assert expected in bad_input_line(run), run.output
+    assert not run.run_dir.exists(), list(run.run_dir.rglob("*"))  # not even the empty folder Hydra made
+    assert not sweep_dir.exists()
+
+
+@pytest.mark.parametrize("overrides, expected", ROWS, ids=[" ".join(row[0]) for row in ROWS])
+def test_a_mistake_is_one_line_and_writes_nothing(run_train, tmp_path, made, overrides, expected):
+    sweep_dir = tmp_path / "sweep"
+    overrides, expected = substituted(overrides, made), substituted([expected], made)[0]
+    run = run_train(*overrides, f"hydra.sweep.dir={sweep_dir}", run_dir=tmp_path / "run")
+    assert_refused_before_anything(run, expected, sweep_dir)
+
+
+@pytest.mark.parametrize("arrays, expected", TENSOR_FILES)
+def test_a_tensors_file_is_checked_in_the_launcher(run_train, tmp_path, arrays, expected):
+    path = tmp_path / "data.npz"
+    regression = (
+        ("task=regression", "data.target_shape=[]", "data.num_classes=1") if arrays.pop("regression", 0) else ()
+    )
+    np.savez(path, **arrays)
+    run = run_train(*TENSORS, *regression, f"data.dataset.path={path}", "parallel=ddp", run_dir=tmp_path / "run")
+    assert_refused_before_anything(run, expected, tmp_path / "sweep")
+    assert "[rank " not in run.output
+
+
+def test_a_pt_file_that_needs_unpickling_says_why_without_escapes(run_train, tmp_path):
+    path = tmp_path / "data.pt"
+    torch.save({"x": torch.zeros(4, 3), "y": torch.arange(4), "note": object()}, path)
+    run = run_train(*TENSORS, f"data.dataset.path={path}", run_dir=tmp_path / "run")
+    assert_refused_before_anything(run, "it holds more than tensors", tmp_path / "sweep")
+    assert "\x1b[" not in run.output
+
+
+def test_an_experiment_file_that_cannot_compose_is_one_line(train_env, tmp_path):
+    """A copy of the entrypoint and conf/, with three broken experiments: a misspelt option in its defaults, no
+    package header, and not YAML."""
+    shutil.copytree(REPO / "conf", tmp_path / "conf")
+    (tmp_path / "src").mkdir()
+    shutil.copy(TRAIN, tmp_path / "src" / "train.py")
+    experiments = tmp_path / "conf" / "experiment"
+    (experiments / "misspelt.yaml").write_text("# @package _global_\ndefaults:\n  - override /scheduler: cosin\n")
+    (experiments / "headless.yaml").write_text("trainer:\n  max_epochs: 3\n")
+    (experiments / "broken.yaml").write_text("# @package _global_\ntrainer:\n  max_epochs: [3\n")
+    (experiments / "typo.yaml").write_text("# @package _global_\ntrainer:\n  max_epchs: 3\n")
+    cases = {
+        "typo": "trainer.max_epchs (set in experiment=typo): trainer has no key 'max_epchs'; did you mean",
+        "misspelt": "its defaults name scheduler: cosin, not an option of scheduler (constant, cosine, step)",
+        "headless": "experiment=headless: the file must begin with '# @package _global_'",
+        "broken": f"{experiments / 'broken.yaml'}, line 3: not valid YAML",
+    }
+    for name, expected in cases.items():
+        command = [sys.executable, str(tmp_path / "src" / "train.py"), f"experiment={name}"]
+        proc = subprocess.run(command, cwd=tmp_path, env=train_env, capture_output=True, text=True, timeout=120)
+        lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+        assert proc.returncode == 2 and len(lines) == 1 and expected in lines[0], proc.stdout + proc.stderr
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_an_image_size_of_no_pixels_is_one_line(run_train, image_folder, tmp_path):
+    """It used to escape hydraloop's handler as Hydra's "Error executing job" from the folder's launcher check."""
+    overrides = ("data=image_folder", f"data.dataset.root={image_folder}", "data.image_size=0", "model=cnn")
+    run = run_train(*overrides, run_dir=tmp_path / "run")
+    assert_refused_before_anything(run, "data.input_shape=[3, 0, 0]: must be positive sizes", tmp_path / "sweep")
+
+
+def test_a_rank_whose_peers_never_come_ends_in_one_line(train_env, tmp_path):
+    """Rank 1 of 2, started alone: no rank 0 answers at MASTER_ADDR:MASTER_PORT within parallel.timeout_s."""
+    environment = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+    environment["MASTER_PORT"] = str(free_port())
+    command = [sys.executable, str(TRAIN), "parallel=ddp", "parallel.timeout_s=3", f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = subprocess.run(command, env={**train_env, **environment}, capture_output=True, text=True, timeout=120)
+    output = proc.stdout + proc.stderr
+    errors = [line for line in output.splitlines() if "[ERROR]" in line]
+    assert proc.returncode == 1 and len(errors) == 1 and "Traceback" not in output and "frame #" not in output, output
+    assert "rank 1 of 2: the process group did not form at 127.0.0.1:" in errors[0]
+    assert "within parallel.timeout_s=3" in errors[0]
+
+
+def test_a_truncated_last_checkpoint_names_resume_and_how_to_start_over(run_train, tmp_path):
+    run_dir = tmp_path / "run"
+    first = run_train("trainer.max_epochs=1", "trainer.keep_last_k=1", "logger=none", run_dir=run_dir)
+    assert first.returncode == 0, first.output
+    for path in (run_dir / "checkpoints").glob("*.pt"):
+        path.write_bytes(path.read_bytes()[:100])
+    error = bad_input_line(run_train("trainer.max_epochs=2", "logger=none", run_dir=run_dir))
+    assert f"resume=true: {run_dir / 'checkpoints' / 'last.pt'}: not a readable checkpoint" in error
+    assert error.endswith("(resume=false starts the run directory over)")
+
+
+@pytest.mark.parametrize(
+    "environment, expected",
+    [
+        ({"WORLD_SIZE": "3"}, "WORLD_SIZE=3: set without RANK and LOCAL_RANK"),
+        ({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "abc"}, "MASTER_PORT=abc: must be an"),
+    ],
+)
+def test_a_launchers_variables_that_cannot_be_are_one_line(train_env, tmp_path, environment, expected):
+    command = [sys.executable, str(TRAIN), "parallel=ddp", f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = subprocess.run(command, env={**train_env, **environment}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert expected in proc.stdout
+    assert not (tmp_path / "run").exists()
+
+
+def test_garbage_in_omp_num_threads_is_ignored_with_one_warning_and_each_rank_keeps_its_share(run_train, train_env):
+    env = {**train_env, "OMP_NUM_THREADS": "abc"}
+    command = [sys.executable, str(TRAIN), "parallel=ddp", "trainer.max_epochs=1", "logger=none"]
+    proc = subprocess.run([*command, "hydra.run.dir=/tmp/omp-garbage"], env=env, capture_output=True, text=True)
+    shutil.rmtree("/tmp/omp-garbage", ignore_errors=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    warnings = [line for line in proc.stdout.splitlines() if "[WARNING]" in line and "OMP_NUM_THREADS" in line]
+    assert len(warnings) == 1 and "ignored: each rank computes with its share of the cores" in warnings[0]
+
+
+SCRIPT_ROWS = [
+    (["benchmark.py", "--repeats", "0"], "--repeats 0: must be at least 1"),
+    (["benchmark.py", "--ddp-procs", "0"], "--ddp-procs 0: must be at least 1"),
+    (["benchmark.py", "--device", "cuda"], "--device cuda: CUDA is not available"),
+    (["benchmark.py", "--out", "A_FILE/benchmark.json"], "--out A_FILE: A_FILE is a file, not a folder"),
+    (["summarize.py", "SWEEP", "--out", "A_FILE"], "--out A_FILE: A_FILE is a file, not a folder"),
+    (["make_image_folder.py", "A_FILE"], "A_FILE: a file, not a folder"),
+    (["sample.py", "CLASSIFIER"], "is not a language model with a generate method"),
+]
+
+
+@pytest.fixture(scope="module")
+def classifier(run_train):
+    run = run_train("trainer.max_epochs=1", "logger=none")
+    assert run.returncode == 0, run.output
+    return run.run_dir / "checkpoints" / "last.pt"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the --device cuda row needs a machine without CUDA")
+@pytest.mark.parametrize("args, expected", SCRIPT_ROWS, ids=[" ".join(row[0]) for row in SCRIPT_ROWS])
+def test_a_helper_scripts_mistake_is_one_line_and_exit_2(train_env, tmp_path, made, classifier, args, expected):
+    (tmp_path / "sweep").mkdir()
+    made = {**made, "SWEEP": str(tmp_path / "sweep"), "CLASSIFIER": str(classifier)}
+    script, *rest = substituted(args, made)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / script), *rest], env=train_env, capture_output=True, text=True
+    )
+    errors = [line for line in proc.stderr.splitlines() if not line.startswith(("usage:", " "))]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stdout + proc.stderr
+    assert substituted([expected], made)[0] in errors[0]
+
+
+def test_make_image_folder_writes_into_an_empty_folder(train_env, tmp_path):
+    root = tmp_path / "empty"
+    root.mkdir()
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "make_image_folder.py"), str(root)], env=train_env, capture_output=True
+    )
+    assert proc.returncode == 0 and b"written" in proc.stdout
+    assert len(list((root / "train").glob("*/*.png"))) == 1438
