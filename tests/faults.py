@@ -143,3 +143,20 @@ class KillingLogger:
 
     def finish(self, metrics) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class BatchNormNaNMLP(RaisingMLP):
+    """Batch norm in front of the MLP, and a NaN input at one step on one rank: the forward pass puts NaN into the
+    running statistics, whatever happens to the update."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.norm = torch.nn.BatchNorm1d(self.net[1].in_features)
+
+    def forward(self, x):
+        if self.training and self.steps + 1 == self.fail_at_step and int(os.environ.get("RANK", 0)) == self.fail_rank:
+            x = x * float("nan")
+        return super().forward(self.norm(x.flatten(1)).view_as(x))
+
+    def misbehave(self) -> None:
+        pass

@@ -231,3 +231,20 @@ def test_finite_losses_near_float32s_largest_value_do_not_overflow_their_interva
     rows = list(csv.DictReader((run.run_dir / "metrics.csv").open()))
     losses = [float(row["train/loss"]) for row in rows if row["train/loss"]]
     assert len(losses) == 2 and all(math.isfinite(loss) and loss > 3.4e38 / 20 for loss in losses), losses
+
+
+def test_a_skipped_step_leaves_batch_norms_statistics_as_they_were(run_train):
+    """The NaN step's forward pass moved the running statistics; skipping its update puts them back, so every
+    checkpoint is finite, buffers included, and the metrics are numbers."""
+    run = run_train(
+        "model._target_=tests.faults.BatchNormNaNMLP",
+        "+model.fail_rank=0",
+        "+model.fail_at_step=3",
+        "trainer.nonfinite_loss=skip",
+        "trainer.max_epochs=1",
+        "logger=none",
+    )
+    assert run.returncode == 0, run.output
+    assert run.metrics["skipped_steps"] == 1 and math.isfinite(run.metrics["val/loss"])
+    for name in ("last.pt", "best.pt"):
+        assert all(torch.isfinite(tensor.float()).all() for tensor in run.checkpoint(name)["model"].values()), name

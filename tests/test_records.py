@@ -27,6 +27,8 @@ def finished(run_train):
         (("data.batch_size=0",), "data.batch_size=0: must be positive"),
         (("model=cnn",), "does not fit model hydraloop.models.cnn.CNN"),
         (("mode=eval", "ckpt_path=CHECKPOINT"), "mode=eval: the run directory RUN_DIR holds a training run's records"),
+        # Finished under another config: not "finished", not trained on either.
+        (("model.dropout=0.5",), "model.dropout=0.5 (was 0.2): the run in RUN_DIR finished at step 44 under another"),
     ],
 )
 def test_a_refusal_into_a_finished_runs_directory_changes_nothing(run_train, finished, overrides, expected):

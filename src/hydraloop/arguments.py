@@ -18,6 +18,8 @@ from omegaconf import OmegaConf
 
 from hydraloop.errors import ConfigError, first_line, require, unwrap_instantiation
 
+OVERLAYS = ("experiment", "hparams_search", "debug")  # `# @package _global_` groups: they set keys anywhere
+
 # The config nodes the ranks build with hydra.utils.instantiate (some completed in code: the optimizer with the
 # parameters, the scheduler with the step counts; only the keys the config gives are checked).
 INSTANTIATED = ("parallel", "data.dataset", "data.check", "task", "model", "optimizer", "scheduler")
@@ -47,12 +49,26 @@ def check_arguments(cfg: Any) -> None:
                 close = difflib.get_close_matches(key, parameters, n=1)
                 takes = f" (it takes {', '.join(parameters)})" if parameters else " (it takes none)"
                 raise ConfigError(
-                    f"{path}.{key}={value}: {node._target_} takes no argument {key!r}"
+                    f"{path}.{key}={value}{_set_by(f'{path}.{key}')}: {node._target_} takes no argument {key!r}"
                     + (f"; did you mean {close[0]}?" if close else takes)
                 )
             problem = _type_problem(value, annotations.get(key, inspect.Parameter.empty))
             if problem:
-                raise ConfigError(f"{path}.{key}={shown(value)}: {problem} ({node._target_})")
+                raise ConfigError(f"{path}.{key}={shown(value)}{_set_by(f'{path}.{key}')}: {problem} ({node._target_})")
+
+
+def _set_by(key: str) -> str:
+    """ " (set by experiment=text_gpt)" for a key the command line did not set, in a run with an overlay (an
+    experiment, a search, a debug option) that may have: where to look for a value the user never typed."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return ""
+    hydra = HydraConfig.get()
+    if any(item.lstrip("+~").split("=")[0] == key for item in hydra.overrides.task):
+        return ""
+    overlays = [f"{group}={option}" for group in OVERLAYS if (option := hydra.runtime.choices.get(group))]
+    return f" (set by {' or '.join(overlays)})" if overlays else ""
 
 
 def _logger_paths(cfg: Any) -> list[str]:

@@ -23,6 +23,7 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from hydraloop.arguments import OVERLAYS
 from hydraloop.checks import check_group_options, check_required
 from hydraloop.errors import ConfigError, first_line, require
 from hydraloop.storage import check_makeable
@@ -31,7 +32,6 @@ MULTIRUN_FLAGS = ("-m", "--multirun")
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 OPTUNA_SWEEPER = "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper"
 JOBLIB_LAUNCHER = "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
-OVERLAYS = ("experiment", "hparams_search", "debug")  # `# @package _global_` groups, with defaults of their own
 MAX_CHECKED_JOBS = 1000  # a larger sweep is checked in its first this many jobs
 
 
@@ -137,12 +137,15 @@ def _composition_error(error: BaseException, overrides: list[str]) -> str:
             f"{experiment.replace('/', '=')}: the file must begin with '# @package _global_', so that its keys "
             "apply to the whole config (conf/experiment/*.yaml all do)"
         )
-    given = next((item for item in overrides if item.lstrip("+~").split("=")[0] == key), None)
-    where = f" (set in {experiment.replace('/', '=')})" if experiment and given is None else ""
     reason = _reason(omegaconf_error, key)
     if " has no key " in reason and "did you mean" not in reason:
         reason += _other_options_with(key, overrides)
-    return f"{given or key}{where}: {reason}"
+    if experiment:  # the value is the file's, whatever the command line sets the key to after it
+        value = getattr(omegaconf_error, "value", None)
+        shown = f"{key}={value}" if value is not None else key
+        return f"{shown} (set in {experiment.replace('/', '=')}): {reason}"
+    given = next((item for item in overrides if item.lstrip("+~").split("=")[0] == key), key)
+    return f"{given}: {reason}"
 
 
 def _other_options_with(key: str, overrides: list[str]) -> str:

@@ -102,9 +102,11 @@ def check_finite(
 
 
 def check_finite_weights(model: torch.nn.Module, step: int, strategy: SingleDevice, rerun: str) -> None:
-    """Stops every rank at once if any parameter (any rank's shard of it) is NaN or infinite after `step`: a finite
-    loss can still overflow in the backward pass. Called before a validation or a checkpoint, never per step."""
-    local = [param.to_local() if hasattr(param, "to_local") else param for param in model.parameters()]  # FSDP shards
+    """Stops every rank at once if any parameter (any rank's shard of it) or floating-point buffer (batch norm's
+    running statistics) is NaN or infinite after `step`: a finite loss can still overflow in the backward pass.
+    Called before a validation or a checkpoint, never per step."""
+    tensors = [*model.parameters(), *(buffer for buffer in model.buffers() if buffer.is_floating_point())]
+    local = [tensor.to_local() if hasattr(tensor, "to_local") else tensor for tensor in tensors]  # FSDP shards
     if not local:
         return
     bad = torch.stack([(~torch.isfinite(param)).any() for param in local]).sum().float().reshape(1)

@@ -133,7 +133,29 @@ def finished_records(path: str | Path, cfg: Any) -> dict[str, Any] | None:
         return None  # a metrics.json that cannot be read is written again
     if metrics.get("global_step") != checkpoint["global_step"] or cfg.trainer.eval_best and "best/epoch" not in metrics:
         return None
+    changed = _changed_keys(checkpoint.get("config") or {}, OmegaConf.to_container(cfg, resolve=True))
+    if changed:
+        more = f", and {'; '.join(changed[1:3])}" if len(changed) > 1 else ""
+        raise ConfigError(
+            f"{changed[0]}{more}: the run in {cfg.output_dir} finished at step {checkpoint['global_step']} under "
+            "another config, and is left as it is: resume=false starts the directory over, or give this run a "
+            "directory of its own"
+        )
     return metrics
+
+
+def _changed_keys(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """`key=now (was: saved)` for each key of what defines the trained model (data, model, task, optimizer,
+    scheduler, seed) whose value differs between a checkpoint's config and this run's."""
+    from hydraloop.loggers.base import flatten
+
+    parts = ("data", "model", "task", "optimizer", "scheduler", "seed")
+    before, after = ({k: v for k, v in flatten(c).items() if k.split(".")[0] in parts} for c in (saved, now))
+    return [
+        f"{key}={after.get(key)} (was {before.get(key)})"
+        for key in sorted(before.keys() | after.keys())
+        if before.get(key) != after.get(key)
+    ]
 
 
 def train_state(checkpoint: dict[str, Any], cfg: Any, own: bool) -> TrainState:

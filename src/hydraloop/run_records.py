@@ -86,12 +86,15 @@ def held_until_accepted(run_dir: str | Path) -> Iterator[HeldRecords]:
 
 
 def holds_training_run(run_dir: str | Path) -> bool:
-    """Whether `run_dir` holds a training run's records: its checkpoints, or the config of a run with mode=train."""
-    run_dir = Path(run_dir)
-    config = run_dir / HYDRA_SUBDIR / "config.yaml"
-    if (run_dir / "checkpoints").is_dir():
-        return True
-    return config.is_file() and OmegaConf.load(config).get("mode", "train") == "train"
+    """Whether `run_dir` holds a training run's records, or is inside a training run's directory (its
+    `checkpoints/`, say): checkpoints, or the config of a run with mode=train."""
+    for folder in (Path(run_dir), *Path(run_dir).resolve().parents[:2]):
+        config = folder / HYDRA_SUBDIR / "config.yaml"
+        if any(folder.glob("checkpoints/*.pt")) or any(folder.glob("step-*.pt")) or (folder / "last.pt").is_file():
+            return True
+        if config.is_file() and OmegaConf.load(config).get("mode", "train") == "train":
+            return True
+    return False
 
 
 def _inside(path: str, folder: Path) -> bool:

@@ -13,10 +13,11 @@ import math
 from contextlib import nullcontext
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from hydraloop.batches import count_rows, slice_rows, tensors
+from hydraloop.batches import count_rows, slice_rows
 from hydraloop.keyed_dropout import RowKeys
 from hydraloop.losses import nonfinite_on_any_rank
 from hydraloop.parallel.single import SingleDevice
@@ -48,27 +49,41 @@ class OptimizerStep:
         # Rows of a micro-batch of a complete global batch, per rank (the launcher checks that they divide).
         self.micro_rows = global_batch_size // (self.world_size * grad_accum_steps)
         self.row_keys = row_keys
+        self.float_buffers = [buffer for buffer in model.buffers() if buffer.is_floating_point()]
 
     def __call__(self, batch: Any, global_rows: int, step: int) -> Tensor | None:
         """Optimizer step `step` (counted from 0) over this rank's `batch`, its part of a global batch of
         `global_rows` rows. Returns this rank's share of the global batch's mean loss (the ranks' shares add up to
         it, times the world size), or None if the update was skipped for a non-finite loss."""
         self.optimizer.zero_grad(set_to_none=True)
+        # A skipped step must leave the model as it was: its forward pass moved batch norm's running statistics too.
+        buffers = [buffer.clone() for buffer in self.float_buffers] if self.skip_nonfinite else []
         micro_batches = self.micro_batches(batch, global_rows)
         last = len(micro_batches) - 1
         loss_sum = None
         for i, (micro_batch, first_row, rows) in enumerate(micro_batches):
-            # rows * world_size / global_rows: 1 without accumulation, 1 / grad_accum_steps for a complete batch.
-            share = global_rows / (rows * self.world_size) if rows else 1.0
             keys = self.row_keys(step, first_row, rows) if self.row_keys else nullcontext()
             with self.strategy.no_sync(self.model) if i < last else nullcontext():
                 with self.precision.autocast(), keys:
-                    loss = self.micro_batch_loss(micro_batch, rows)
-                self.precision.backward(loss if share == 1.0 else loss / share)
-            weighted = loss.detach() if share == 1.0 else loss.detach() / share
+                    loss = self.task.training_loss(self.model, micro_batch)
+                if not rows:
+                    # A mean over no rows is NaN; times 0 it still reaches every parameter the forward pass used,
+                    # with a zero gradient: this rank joins the gradient reduction with nothing to add.
+                    self.precision.backward(loss * 0.0)
+                    continue
+                # The micro-batch's share of the global batch: rows / global_rows, times the world size, since DDP
+                # and FSDP average over the ranks (1 without accumulation; 1 / grad_accum_steps for a whole batch).
+                divisor = global_rows / (rows * self.world_size)
+                self.precision.backward(loss if divisor == 1.0 else loss / divisor)
+            weighted = loss.detach() if divisor == 1.0 else loss.detach() / divisor
             loss_sum = weighted if loss_sum is None else loss_sum + weighted
+        if loss_sum is None:  # no row here at all
+            loss_sum = torch.zeros((), device=self.strategy.device)
         if self.skip_nonfinite and nonfinite_on_any_rank(loss_sum, self.strategy):
             self.optimizer.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                for buffer, saved in zip(self.float_buffers, buffers):
+                    buffer.copy_(saved)
             return None
         if self.grad_clip_norm is not None:
             # DDP has averaged the gradients by now, so every rank clips by the same global norm. Under FSDP each
@@ -90,12 +105,3 @@ class OptimizerStep:
             (slice_rows(batch, i * size, (i + 1) * size), i * size, max(0, min(size, rows - i * size)))
             for i in range(count)
         ]
-
-    def micro_batch_loss(self, micro_batch: Any, rows: int) -> Tensor:
-        """The task's loss (a mean over the rows); for an empty micro-batch a zero that still reaches every
-        parameter the forward pass used, so that this rank's backward joins the gradient reduction."""
-        inputs, targets = micro_batch
-        outputs = self.model(inputs)
-        if rows:
-            return self.task.loss(outputs, targets)
-        return sum(tensor.sum() for _, tensor in tensors(outputs) if tensor.is_floating_point()) * 0.0

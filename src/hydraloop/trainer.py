@@ -168,7 +168,8 @@ class Trainer:
         shown = " | ".join(f"{name} {value:.4f}" for name, value in {**(logged or {}), **val_metrics}.items())
         log.info("%s | %s", where, shown)
         metric = val_metrics[self.optimized_metric]
-        is_best = state.best_metric is None or self.improved(metric, state.best_metric)
+        # A metric that is not a number (weights that diverged in validation only) is never the best.
+        is_best = math.isfinite(metric) and (state.best_metric is None or self.improved(metric, state.best_metric))
         if is_best:
             state.best_metric = metric
         self.early_stopping.update(state, metric)
@@ -406,8 +407,6 @@ class Trainer:
         batches = itertools.islice(loader, self.limit_val_batches)
         count = min(len(loader), self.limit_val_batches or len(loader))
         for batch in self.strategy.eval_batches(batches, count):
-            inputs, targets = self._on_device(batch)
             with self.precision.autocast():
-                outputs = module(inputs)
-            totals += self.task.statistics(outputs, targets)
+                totals += self.task.validation_statistics(module, self._on_device(batch))
         return self.task.metrics_from(self.strategy.all_reduce(totals).tolist())

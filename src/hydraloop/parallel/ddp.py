@@ -82,8 +82,14 @@ class DDPStrategy(SingleDevice):
             self.rank, self.local_rank, self.world_size = (
                 _env_int(key) for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE")
             )
-            if "MASTER_PORT" in os.environ:
-                _env_int("MASTER_PORT")
+            if "MASTER_PORT" in os.environ and not 0 < _env_int("MASTER_PORT") < 65536:
+                raise ConfigError(f"MASTER_PORT={os.environ['MASTER_PORT']}: must be a port, from 1 to 65535")
+            missing = [key for key in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(key)]
+            if missing and "TORCHELASTIC_USE_AGENT_STORE" not in os.environ:  # env://: the ranks meet at rank 0
+                raise ConfigError(
+                    f"{' and '.join(missing)} not set, beside RANK={self.rank} and WORLD_SIZE={self.world_size}: "
+                    "the ranks meet at rank 0's MASTER_ADDR and MASTER_PORT (torchrun and SLURM's launcher set both)"
+                )
             if not 0 <= self.rank < self.world_size:
                 raise ConfigError(f"RANK={self.rank}: must be in [0, WORLD_SIZE={self.world_size})")
             _check_one_gpu_per_rank(device, _env_int("LOCAL_WORLD_SIZE", 1))
