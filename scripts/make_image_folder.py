@@ -74,7 +74,8 @@ def main() -> None:
         except ConfigError as error:
             parser.error(str(error))
     write_digits(args.root, args.size)
-    print(f"{args.root}: {'already there, left as it is' if existed else 'written'}")
+    kept = "holds files already, left as it is (a missing or empty folder is written)"
+    print(f"{args.root}: {kept if existed else 'written'}")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ from hydraloop.errors import (
     TrainingDiverged,
     WorkerFailed,
     exit_on_error,
+    first_line,
+    peer_gone,
     require,
     unwrap_instantiation,
 )
@@ -52,7 +54,7 @@ from hydraloop.perf import Throughput, flops_per_sample, peak_flops
 from hydraloop.precision import Precision
 from hydraloop.predict import predict
 from hydraloop.preemption import StopRequest
-from hydraloop.rank_logging import FORMAT, setup_rank_logging
+from hydraloop.rank_logging import FORMAT, JOB_LOG_ONLY, setup_rank_logging
 from hydraloop.resume import (
     check_resumable,
     checkpoint_to_resume,
@@ -96,7 +98,11 @@ def train(cfg: DictConfig, job: JobInfo) -> dict:
         cause = unwrap_instantiation(error)
         if isinstance(cause, (ConfigError, TrainingDiverged, StorageError, Interrupted, WorkerFailed)):
             raise cause from None
-        log.exception("training failed")
+        if peer_gone(error):  # the consequence of another rank's failure, which the launcher reports
+            log.error("a collective failed: another rank is gone (%s)", first_line(error))
+        else:
+            log.exception("training failed")
+        error.logged = True  # its traceback is in the log: the launcher of ranks run in this process says one line
         raise
     strategy.teardown()
     return metrics
@@ -119,7 +125,7 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice, job: JobInfo) -> dict
     if cfg.mode == "predict":
         return predict(cfg, strategy, task)
     train_set, val_set = instantiate(cfg.data.dataset)
-    task.check_targets(torch.as_tensor(train_set[0][1]), f"data.dataset._target_={cfg.data.dataset._target_}")
+    task.check_sample(train_set[0], f"data.dataset._target_={cfg.data.dataset._target_}")
     train_loader, val_loader = build_loaders(
         train_set,
         val_set,
@@ -222,11 +228,11 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice, job: JobInfo) -> dict
 
 def evaluate_best(cfg: DictConfig, strategy: SingleDevice, trainer: Trainer, val_loader) -> dict:
     """trainer.eval_best: the metrics of checkpoints/best.pt's weights, as best/<name>, with where they were saved.
-    None if this run directory has no best.pt (a run that validated nothing new here): said in one line."""
+    None if this run directory has no best.pt (a run with nothing left to train saves none): said in one line."""
     strategy.all_reduce(torch.zeros(1, device=strategy.device))  # a barrier: rank 0 has written best.pt
     path = Path(cfg.output_dir) / "checkpoints" / "best.pt"
     if not path.is_file():
-        log.warning("trainer.eval_best=true: %s does not exist (nothing was validated in this run directory)", path)
+        log.warning("trainer.eval_best=true: %s does not exist: this run saved no checkpoint into its directory", path)
         return {}
     best = load_weights(path, strategy, trainer.model)
     metrics = {**trainer.evaluate(val_loader), "epoch": best.epoch, "global_step": best.global_step}
@@ -281,7 +287,8 @@ def main(cfg: DictConfig) -> float:
                     records.drop()
                     return finished.get(cfg.optimized_metric)
             records.accept(composed, write_config=strategy.is_main_process)
-            log.info("run directory: %s\n%s", cfg.output_dir, OmegaConf.to_yaml(cfg).rstrip())
+            log.info("run directory: %s (the resolved config is in train.log)", cfg.output_dir)
+            log.info("resolved config:\n%s", OmegaConf.to_yaml(cfg).rstrip(), extra=JOB_LOG_ONLY)
             metrics = strategy.launch(importable(train), cfg, JobInfo.from_hydra())
     log.info("final metrics: %s", {k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()})
     return metrics.get(cfg.optimized_metric)  # none for mode=predict

@@ -49,6 +49,33 @@ ROWS = [
     (["parallel=ddp", "data.batch_size=2048"], "data.batch_size=2048: more than the training set's 1438 samples"),
     (["parallel=ddp", "data.dataset.val_fraction=1.5"], "data.dataset.val_fraction=1.5: must be between 0 and 1"),
     (["experiment=text_gpt", "data.dataset.path=SHORT_TEXT"], "data.block_size=64: the train split of"),
+    # Structured batches: a leaf that is not a tensor, a dict without the targets, a model output no task can read.
+    (
+        [
+            "data.dataset._target_=tests.structured.with_text",
+            "model._target_=tests.structured.Keyword",
+            "~model.input_shape",
+            "~model.num_classes",
+            "~model.hidden_sizes",
+            "~model.dropout",
+        ],
+        "batch['text'] of a batch is a list",
+    ),
+    (
+        [
+            "data.dataset._target_=tests.structured.without_labels",
+            "model._target_=tests.structured.Keyword",
+            "~model.input_shape",
+            "~model.num_classes",
+            "~model.hidden_sizes",
+            "~model.dropout",
+        ],
+        "the batch is a dict of 'x', 'target', without 'labels'",
+    ),
+    (
+        ["model._target_=tests.structured.TupleOut"],
+        "the model returns a tuple; Classification reads a tensor of outputs",
+    ),
     # Tracebacks from constructors and launchers.
     (["model.hidden_sizes=256"], "model.hidden_sizes=256: must be a list, e.g. [256] (hydraloop.models.mlp.MLP)"),
     (["model=gpt", "data=text", "task=language_model", "model.n_layer=2.5"], "model.n_layer=2.5: must be an integer"),
@@ -124,14 +151,18 @@ def test_an_experiment_file_that_cannot_compose_is_one_line(train_env, tmp_path)
     (experiments / "headless.yaml").write_text("trainer:\n  max_epochs: 3\n")
     (experiments / "broken.yaml").write_text("# @package _global_\ntrainer:\n  max_epochs: [3\n")
     (experiments / "typo.yaml").write_text("# @package _global_\ntrainer:\n  max_epchs: 3\n")
+    (experiments / "wrong.yaml").write_text("# @package _global_\ntrainer:\n  max_epochs: abc\n")
     cases = {
+        # The file's value is named, not the valid one the command line gives after it.
+        "wrong trainer.max_epochs=1": "trainer.max_epochs=abc (set in experiment=wrong): must be an integer",
         "typo": "trainer.max_epchs (set in experiment=typo): trainer has no key 'max_epchs'; did you mean",
         "misspelt": "its defaults name scheduler: cosin, not an option of scheduler (constant, cosine, step)",
         "headless": "experiment=headless: the file must begin with '# @package _global_'",
         "broken": f"{experiments / 'broken.yaml'}, line 3: not valid YAML",
     }
-    for name, expected in cases.items():
-        command = [sys.executable, str(tmp_path / "src" / "train.py"), f"experiment={name}"]
+    for case, expected in cases.items():
+        name, *more = case.split()
+        command = [sys.executable, str(tmp_path / "src" / "train.py"), f"experiment={name}", *more]
         proc = subprocess.run(command, cwd=tmp_path, env=train_env, capture_output=True, text=True, timeout=120)
         lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
         assert proc.returncode == 2 and len(lines) == 1 and expected in lines[0], proc.stdout + proc.stderr
@@ -158,6 +189,22 @@ def test_a_rank_whose_peers_never_come_ends_in_one_line(train_env, tmp_path):
     assert "within parallel.timeout_s=3" in errors[0]
 
 
+def test_predicting_fewer_inputs_than_ranks_is_refused_in_the_launcher(run_train, tmp_path, classifier):
+    path = tmp_path / "one.npz"
+    np.savez(path, x=np.zeros((1, 1, 8, 8), np.float32))
+    overrides = ("mode=predict", f"ckpt_path={classifier}", f"data.predict_path={path}", "parallel=ddp")
+    run = run_train(*overrides, run_dir=tmp_path / "run")
+    assert_refused_before_anything(run, "1 input(s), fewer than the 2 ranks", tmp_path / "sweep")
+
+
+def test_an_evaluation_into_a_training_runs_checkpoints_folder_is_refused(run_train, classifier):
+    folder = classifier.parent
+    before = sorted(path.name for path in folder.iterdir())
+    run = run_train("mode=eval", f"ckpt_path={classifier}", run_dir=folder)
+    assert "holds a training run's records" in bad_input_line(run)
+    assert sorted(path.name for path in folder.iterdir()) == before
+
+
 def test_a_truncated_last_checkpoint_names_resume_and_how_to_start_over(run_train, tmp_path):
     run_dir = tmp_path / "run"
     first = run_train("trainer.max_epochs=1", "trainer.keep_last_k=1", "logger=none", run_dir=run_dir)
@@ -169,11 +216,19 @@ def test_a_truncated_last_checkpoint_names_resume_and_how_to_start_over(run_trai
     assert error.endswith("(resume=false starts the run directory over)")
 
 
+ALONE = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+
+
 @pytest.mark.parametrize(
     "environment, expected",
     [
         ({"WORLD_SIZE": "3"}, "WORLD_SIZE=3: set without RANK and LOCAL_RANK"),
         ({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "abc"}, "MASTER_PORT=abc: must be an"),
+        (
+            {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "x", "MASTER_PORT": "70000"},
+            "must be a port",
+        ),
+        ({**ALONE, "MASTER_PORT": "29500"}, "MASTER_ADDR not set, beside RANK=0 and WORLD_SIZE=1"),
     ],
 )
 def test_a_launchers_variables_that_cannot_be_are_one_line(train_env, tmp_path, environment, expected):

@@ -3,18 +3,20 @@
 The files are cut out of README.md and written into a copy of src/ and conf/: nothing else is edited.
 """
 
+import importlib.util
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, max_param_diff
 
 pytestmark = pytest.mark.slow
 
@@ -42,6 +44,12 @@ def test_readme_names_its_files():
         "conf/optimizer/rmsprop.yaml",
         "src/hydraloop/tasks/multilabel.py",
         "conf/task/multilabel.yaml",
+        "src/hydraloop/data/pairs.py",
+        "conf/data/pairs.yaml",
+        "src/hydraloop/models/siamese.py",
+        "conf/model/siamese.yaml",
+        "src/hydraloop/tasks/model_loss.py",
+        "conf/task/model_loss.yaml",
     }
 
 
@@ -94,3 +102,72 @@ def test_the_objective_example_trains(tmp_path, train_env):
     assert metrics["val/f1"] > 0.9 and metrics["val/exact"] > 0.6, metrics
     best = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)
     assert best["config"]["optimized_metric"] == "val/f1" and best["config"]["optimized_metric_mode"] == "max"
+
+
+# 257 pairs: 4 batches of 64 and one of 1, fewer rows than the ranks or the micro-batches.
+PAIRS = ("data=pairs", "model=siamese", "data.dataset.num_train=257", "data.dataset.num_val=64")
+PAIRS += ("data.drop_last=false", "trainer.max_epochs=2", "logger=none")
+
+
+@pytest.fixture(scope="module")
+def pairs_tree(tmp_path_factory, train_env):
+    tmp_path = tmp_path_factory.mktemp("readme")
+    env = readme_tree(tmp_path, train_env)
+
+    def run(*overrides: str, name: str) -> Path:
+        run_dir = tmp_path / name
+        command = [sys.executable, str(tmp_path / "src" / "train.py"), *PAIRS, *overrides, f"hydra.run.dir={run_dir}"]
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return run_dir
+
+    run.tmp_path = tmp_path
+    return run
+
+
+def weights(run_dir: Path) -> dict:
+    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+
+
+def test_dict_batches_with_the_models_own_loss_train_alike_under_every_strategy_and_accumulation(pairs_tree):
+    """Dict batches, two inputs, the model's own loss; an uneven last batch: single with 1 and 4 micro-batches,
+    ddp and fsdp with 4, and (first, second, labels) tuples with the shipped classification task, all alike."""
+    single = pairs_tree("task=model_loss", name="single")
+    reference = weights(single)
+    for name, overrides in {
+        "accumulated": ("task=model_loss", "trainer.grad_accum_steps=4"),
+        "ddp": ("task=model_loss", "parallel=ddp", "trainer.grad_accum_steps=4"),
+        "fsdp": ("task=model_loss", "parallel=fsdp", "trainer.grad_accum_steps=4"),
+        "tuples": ("data.dataset.as_tuples=true", "parallel=ddp"),  # model(first, second), the logits' loss
+    }.items():
+        assert max_param_diff(weights(pairs_tree(*overrides, name=name)), reference) < 1e-5, name
+
+
+def test_a_dict_batch_run_stopped_mid_epoch_continues_as_the_uninterrupted_one(pairs_tree):
+    uninterrupted = pairs_tree("task=model_loss", "trainer.grad_accum_steps=2", name="whole")
+    resumed = pairs_tree("task=model_loss", "trainer.grad_accum_steps=2", "trainer.max_steps=7", name="resumed")
+    pairs_tree("task=model_loss", "trainer.grad_accum_steps=2", name="resumed")  # into the same directory: resumes
+    assert max_param_diff(weights(resumed), weights(uninterrupted)) < 1e-6
+
+
+def test_predictions_of_two_inputs_come_in_the_files_order_under_every_strategy(pairs_tree):
+    trained = pairs_tree(name="trained")
+    points = torch.randn(37, 2, 8, generator=torch.Generator().manual_seed(1))
+    path = pairs_tree.tmp_path / "pairs.npz"
+    np.savez(path, **{"x.first": points[:, 0].numpy(), "x.second": points[:, 1].numpy()})
+    spec = importlib.util.spec_from_file_location("siamese", pairs_tree.tmp_path / "src/hydraloop/models/siamese.py")
+    siamese = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(siamese)
+    model = siamese.Siamese(8, 2)
+    model.load_state_dict(weights(trained))
+    expected = model(points[:, 0], points[:, 1])["logits"].argmax(dim=1).numpy()
+    checkpoint = trained / "checkpoints" / "last.pt"
+    for parallel in ("single", "ddp", "fsdp"):
+        predicted = pairs_tree(
+            "mode=predict",
+            f"ckpt_path={checkpoint}",
+            f"data.predict_path={path}",
+            f"parallel={parallel}",
+            name=parallel + "-p",
+        )
+        assert (np.load(predicted / "predictions.npz")["class"] == expected).all(), parallel

@@ -31,19 +31,43 @@ def map_tensors(function: Callable[[Tensor], Any], batch: Any) -> Any:
     return batch
 
 
-def tensors(batch: Any, path: str = "batch") -> Iterator[tuple[str, Tensor]]:
-    """Every tensor in `batch` with its path in the structure (`batch[1]`, `batch["labels"]`, `batch.mask`)."""
-    if isinstance(batch, Tensor):
-        yield path, batch
-    elif isinstance(batch, (list, tuple)):
+def leaves(batch: Any, path: str = "batch") -> Iterator[tuple[str, Any]]:
+    """Everything at the ends of `batch`'s structure, with its path (`batch[1]`, `batch['labels']`, `batch.mask`)."""
+    if isinstance(batch, (list, tuple)) and any(_is_structure(item) for item in batch):
         for index, item in enumerate(batch):
-            yield from tensors(item, f"{path}[{index}]")
+            yield from leaves(item, f"{path}[{index}]")
     elif isinstance(batch, Mapping):
         for key, value in batch.items():
-            yield from tensors(value, f"{path}[{key!r}]")
+            yield from leaves(value, f"{path}[{key!r}]")
     elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         for field in dataclasses.fields(batch):
-            yield from tensors(getattr(batch, field.name), f"{path}.{field.name}")
+            yield from leaves(getattr(batch, field.name), f"{path}.{field.name}")
+    else:  # a tensor, or anything else: a list of strings (what collation makes of strings) is one leaf
+        yield path, batch
+
+
+def _is_structure(item: Any) -> bool:
+    return isinstance(item, (Tensor, list, tuple, Mapping)) or dataclasses.is_dataclass(item)
+
+
+def tensors(batch: Any, path: str = "batch") -> Iterator[tuple[str, Tensor]]:
+    """Every tensor in `batch` with its path in the structure."""
+    return ((where, leaf) for where, leaf in leaves(batch, path) if isinstance(leaf, Tensor))
+
+
+def check_leaves(batch: Any, where: str) -> None:
+    """Every leaf of a collated batch is a tensor, and all agree on the rows: else one line naming the leaf."""
+    for path, leaf in leaves(batch):
+        if not isinstance(leaf, Tensor):
+            raise ConfigError(
+                f"{where}: {path} of a batch is a {type(leaf).__name__}; every leaf of a batch must be a tensor "
+                "(numbers and arrays in samples are collated into tensors, strings are not: tokenize them in the data "
+                "set)"
+            )
+    try:
+        count_rows(batch)
+    except ConfigError as error:
+        raise ConfigError(f"{where}: {error}") from None
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

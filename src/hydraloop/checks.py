@@ -19,8 +19,10 @@ from hydra.core.override_parser.types import ChoiceSweep
 from hydra.errors import HydraException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
+from torch.utils.data import default_collate
 
 from hydraloop.arguments import check_arguments, check_model, check_optimization, raise_refusal, shown
+from hydraloop.batches import check_leaves, count_rows, map_tensors
 from hydraloop.errors import ConfigError, require, unwrap_instantiation
 
 PRECISIONS = ("32", "bf16", "fp16")
@@ -42,8 +44,13 @@ def check_launch(cfg: Any, strategy: Any) -> Any:
         check_data(cfg, task)
     check_model(cfg.model)
     check_optimization(cfg.optimizer, cfg.scheduler)
-    if cfg.mode == "predict":  # the file fits the model
-        load_inputs(cfg.data.predict_path, cfg.data.input_shape, tokens=task.tokens_per_sample is not None)
+    if cfg.mode == "predict":  # the file fits the model, and gives every rank an input
+        inputs = load_inputs(cfg.data.predict_path, cfg.data.input_shape, tokens=task.tokens_per_sample is not None)
+        require(
+            count_rows(inputs) >= strategy.world_size,
+            f"data.predict_path={cfg.data.predict_path}: {count_rows(inputs)} input(s), fewer than the "
+            f"{strategy.world_size} ranks; predict them with fewer ranks (parallel=single)",
+        )
     strategy.check(cfg)
     build_logger(cfg.logger)  # its settings and package; writes nothing yet
     return task
@@ -58,7 +65,24 @@ def check_data(cfg: Any, task: Any) -> None:
 
     train_set, val_set = _built(cfg, "data.dataset")
     check_sizes(train_set, val_set, cfg.data.batch_size, cfg.data.drop_last)
-    task.check_targets(torch.as_tensor(train_set[0][1]), f"data.dataset._target_={cfg.data.dataset._target_}")
+    where = f"data.dataset._target_={cfg.data.dataset._target_}"
+    _check_batch(cfg, task, default_collate([train_set[index] for index in range(min(2, len(train_set)))]), where)
+    task.check_sample(train_set[0], where)
+
+
+def _check_batch(cfg: Any, task: Any, batch: Any, where: str) -> None:
+    """A batch of the training set's first samples: tensors that agree on their rows, which the task can take to
+    the model and read the model's outputs of (tried on the meta device, which computes shapes only). What cannot
+    run on the meta device is left to the ranks."""
+    check_leaves(batch, where)
+    with torch.device("meta"):
+        model = instantiate(cfg.model)
+    try:
+        task.training_loss(model, map_tensors(lambda tensor: tensor.to("meta"), batch))
+    except ConfigError as error:
+        raise ConfigError(f"model._target_={cfg.model._target_} on {where}: {error}") from None
+    except Exception:  # noqa: BLE001, S110  an operation the meta device lacks: the ranks meet it for real
+        pass
 
 
 def _built(cfg: Any, path: str) -> Any:

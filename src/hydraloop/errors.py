@@ -64,6 +64,14 @@ class Interrupted(RuntimeError):
         self.exit_code = 128 + signum
 
 
+def peer_gone(error: BaseException) -> bool:
+    """Whether a collective failed because another rank is gone (gloo's and NCCL's words for it)."""
+    text = str(error)
+    return any(
+        words in text for words in ("Connection closed by peer", "Connection reset by peer", "NCCL communicator")
+    )
+
+
 def unwrap_instantiation(error: BaseException) -> BaseException:
     """hydra.utils.instantiate wraps what a constructor raises; the constructor's own error is the cause."""
     return error.__cause__ if isinstance(error, InstantiationException) and error.__cause__ else error
@@ -89,3 +97,13 @@ def exit_on_error() -> Iterator[None]:
     except Interrupted as error:
         log.error("%s", error)
         sys.exit(error.exit_code)
+    except Exception as error:
+        if not getattr(error, "logged", False):
+            raise
+        # A failure in a rank run in this process, whose traceback is logged already: said once, as for spawned ranks.
+        log.error(
+            "training failed: %s: %s (its traceback is above, and in the job log)",
+            type(error).__name__,
+            first_line(error),
+        )
+        sys.exit(FAILED_EXIT_CODE)

@@ -2,6 +2,16 @@ import logging
 import sys
 
 FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's job-logging format
+JOB_LOG_ONLY = {"job_log_only": True}
+"""`log.info(..., extra=JOB_LOG_ONLY)`: a record for the job log, not the console (the resolved config: a page)."""
+
+
+class _NotJobLogOnly(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(record, "job_log_only", False)
+
+
+_CONSOLE_FILTER = _NotJobLogOnly()
 
 
 def setup_rank_logging(rank: int, log_file: str) -> None:
@@ -16,6 +26,9 @@ def setup_rank_logging(rank: int, log_file: str) -> None:
             handler.setFormatter(logging.Formatter(FORMAT))
             root.addHandler(handler)
         root.setLevel(logging.INFO)
+    for handler in root.handlers:
+        if not isinstance(handler, logging.FileHandler) and _CONSOLE_FILTER not in handler.filters:
+            handler.addFilter(_CONSOLE_FILTER)
     if rank != 0:
         root.setLevel(logging.WARNING)
         for handler in root.handlers:

@@ -17,10 +17,17 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor
-from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, TensorDataset, get_worker_info
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    Sampler,
+    TensorDataset,
+    default_collate,
+    get_worker_info,
+)
 
-from hydraloop.batches import slice_rows
+from hydraloop.batches import check_leaves, map_tensors, slice_rows, tensors, to_device
 from hydraloop.data.batch_transforms import CollateThenTransform, split_elementwise_tail
 from hydraloop.errors import ConfigError, require
 
@@ -204,23 +211,24 @@ class ShardSampler(Sampler[int]):
 
 
 class DeviceBatches:
-    """Batches indexed straight out of tensors that live on the device, in the order of `batch_sampler`.
+    """Batches indexed straight out of a whole data set held on the device, in the order of `batch_sampler`.
 
     Same shards and order as a DataLoader over the same batch sampler, without its per-batch Python, collation and
-    host-to-device copies. For data sets that fit in device memory.
+    host-to-device copies. For data sets that fit in device memory; `data` is the whole set as one batch (a tuple of
+    tensors, or any structure of them).
     """
 
-    def __init__(self, tensors: tuple[Tensor, ...], batch_sampler: Sampler[list[int]]) -> None:
-        self.tensors, self.batch_sampler = tensors, batch_sampler
+    def __init__(self, data: Any, batch_sampler: Sampler[list[int]]) -> None:
+        self.data, self.batch_sampler = data, batch_sampler
+        self.device = next(tensor for _, tensor in tensors(data)).device
 
     def __len__(self) -> int:
         return len(self.batch_sampler)
 
-    def __iter__(self) -> Iterator[tuple[Tensor, ...]]:
-        device = self.tensors[0].device
+    def __iter__(self) -> Iterator[Any]:
         for indices in self.batch_sampler:
-            index = torch.tensor(indices, dtype=torch.int64, device=device)
-            yield tuple(tensor[index] for tensor in self.tensors)
+            index = torch.tensor(indices, dtype=torch.int64, device=self.device)
+            yield map_tensors(lambda tensor, index=index: tensor[index], self.data)
 
 
 def _start_worker(worker_id: int) -> None:
@@ -294,10 +302,10 @@ def build_loaders(
     )
     val_batches = BatchSampler(ShardSampler(len(val_set), rank, world_size), val_batch_size, drop_last=False)
     if on_device:
-        train_tensors, val_tensors = _device_tensors(train_set, device), _device_tensors(val_set, device)
-        train = DeviceBatches(train_tensors, _NonEmpty(train_sampler))
-        return TrainLoader(train, train_sampler, lambda: tuple(tensor[:1] for tensor in train_tensors)), DeviceBatches(
-            val_tensors, val_batches
+        train_data, val_data = _on_device(train_set, device), _on_device(val_set, device)
+        train = DeviceBatches(train_data, _NonEmpty(train_sampler))
+        return TrainLoader(train, train_sampler, lambda: slice_rows(train_data, 0, 1)), DeviceBatches(
+            val_data, val_batches
         )
     (train_set, train_collate), (val_set, val_collate) = (
         _elementwise_tail_per_batch(dataset) if elementwise_per_batch else (dataset, None)
@@ -350,7 +358,15 @@ def _preload_for_workers(*datasets: Dataset) -> None:
     torch.multiprocessing.get_context("forkserver").set_forkserver_preload(["__main__", *sorted(modules)])
 
 
-def _device_tensors(dataset: Dataset, device: torch.device) -> tuple[Tensor, ...]:
-    if not isinstance(dataset, TensorDataset):
-        raise ConfigError(f"data.on_device=true: needs a TensorDataset, the data set is a {type(dataset).__name__}")
-    return tuple(tensor.to(device) for tensor in dataset.tensors)
+def _on_device(dataset: Dataset, device: torch.device) -> Any:
+    """The whole data set as one batch on the device: a TensorDataset's tensors, or every sample collated."""
+    if isinstance(dataset, TensorDataset):
+        return tuple(tensor.to(device) for tensor in dataset.tensors)
+    try:
+        whole = default_collate([dataset[index] for index in range(len(dataset))])
+    except Exception as error:  # noqa: BLE001  samples that do not collate into tensors
+        raise ConfigError(
+            f"data.on_device=true: the {type(dataset).__name__}'s samples do not collate into tensors ({error})"
+        ) from None
+    check_leaves(whole, "data.on_device=true")
+    return to_device(whole, device)

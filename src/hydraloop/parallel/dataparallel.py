@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hydraloop.batches import count_rows, tensors
 from hydraloop.errors import ConfigError
 from hydraloop.keyed_dropout import current_rows, rows_of
 from hydraloop.parallel.single import SingleDevice, resolve_device
@@ -92,7 +93,7 @@ class AutocastDataParallel(nn.DataParallel):
     """
 
     def parallel_apply(self, replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Any) -> list[Any]:
-        replicas = keyed_replicas(replicas, inputs)
+        replicas = keyed_replicas(replicas, inputs, kwargs)
         return super().parallel_apply(autocast_replicas(replicas, self.src_device_obj.type), inputs, kwargs)
 
 
@@ -104,14 +105,17 @@ def autocast_replicas(replicas: Sequence[Callable[..., Any]], device_type: str) 
     return [partial(_call_in_autocast, replica, device_type, dtype) for replica in replicas]
 
 
-def keyed_replicas(replicas: Sequence[Callable[..., Any]], inputs: Sequence[Any]) -> list[Callable[..., Any]]:
+def keyed_replicas(
+    replicas: Sequence[Callable[..., Any]], inputs: Sequence[Any], kwargs: Sequence[Any] | None = None
+) -> list[Callable[..., Any]]:
     """`replicas`, each called with the global rows of its slice of the batch (DataParallel scatters the batch's
-    rows in order), if the training loop set the batch's rows in this thread."""
+    rows in order, positional and keyword inputs alike), if the training loop set the batch's rows in this thread."""
     keys = current_rows()
     if keys is None:
         return list(replicas)
     rows, step_key = keys
-    sizes = [len(next(arg for arg in args if isinstance(arg, torch.Tensor))) for args in inputs]
+    kwargs = kwargs or [{} for _ in inputs]
+    sizes = [count_rows((args, given)) for args, given in zip(inputs, kwargs)]
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     return [
         partial(_call_with_rows, replica, rows[start : start + size], step_key)
@@ -120,7 +124,7 @@ def keyed_replicas(replicas: Sequence[Callable[..., Any]], inputs: Sequence[Any]
 
 
 def _call_with_rows(replica: Callable[..., Any], rows: torch.Tensor, step_key: torch.Tensor, *args, **kwargs) -> Any:
-    device = next(arg for arg in args if isinstance(arg, torch.Tensor)).device
+    device = next(tensor for _, tensor in tensors((args, kwargs))).device
     with rows_of(rows.to(device), step_key.to(device)):
         return replica(*args, **kwargs)
 

@@ -1,11 +1,19 @@
-"""A task turns a model's outputs and the targets into the training loss and the validation metrics.
+"""A task owns how a batch meets the model, and turns the model's outputs and the targets into the training loss and
+the validation metrics.
 
-The loop names no loss and no metric. In validation it adds up the task's statistics of each batch (sums and counts,
+The loop names no loss and no metric, and calls no model itself: it hands the task the (wrapped) model and a batch of
+any structure (`training_loss`, `validation_statistics`, `predict`). By default a batch is split into inputs and
+targets (`split`): `(inputs, targets)`, `(x1, x2, ..., targets)`, or a dict whose `labels` are the targets; the model
+is called with the inputs positionally, or by keyword for a dict (`call`); and the outputs are a tensor of logits, or a
+mapping (a Hugging Face ModelOutput among them) holding `logits` (`logits`). A task of one's own overrides any of
+these, e.g. `training_loss` to return a model's own `outputs.loss`.
+ In validation it adds up the task's statistics of each batch (sums and counts,
 in float64), all-reduces the totals once over the ranks, and lets the task turn them into metrics. Every sample is
 counted once whatever the world size, so the metrics are exact under every strategy: a mean of per-rank means would
 not be, with shards of unequal sizes.
 """
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -28,7 +36,46 @@ class Task:
         """The metrics this task reports (all of `metrics`, unless a subclass leaves some out)."""
         return list(self.metrics)
 
-    def loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
+    target_key: ClassVar[str] = "labels"
+    """Where a dict batch holds the targets (Hugging Face's name)."""
+
+    def training_loss(self, model: Any, batch: Any) -> Tensor:
+        """The loss a training step minimises on a (micro-)batch: a scalar, the mean over its rows (the loop weights
+        each micro-batch by its rows). It may be given a batch of no rows (a rank's share of an incomplete last batch),
+        whose loss the loop multiplies by 0: it must still run the model, whose gradient synchronisation every rank
+        joins."""
+        inputs, targets = self.split(batch)
+        return self.loss(call(model, inputs), targets)
+
+    def validation_statistics(self, model: Any, batch: Any) -> Tensor:
+        """The statistics of a validation batch (see `statistics`)."""
+        inputs, targets = self.split(batch)
+        return self.statistics(call(model, inputs), targets)
+
+    def predict(self, model: Any, inputs: Any) -> dict[str, Tensor]:
+        """mode=predict: the predictions for a batch of inputs (see `predictions`)."""
+        return self.predictions(call(model, inputs))
+
+    def split(self, batch: Any) -> tuple[Any, Any]:
+        """(inputs, targets) of a batch or sample: the last item of a tuple or list (the rest are the inputs, one or
+        several), or a dict's `target_key`; anything else is one line saying so."""
+        if isinstance(batch, (tuple, list)) and len(batch) >= 2:
+            return (batch[0] if len(batch) == 2 else tuple(batch[:-1])), batch[-1]
+        if isinstance(batch, Mapping):
+            if self.target_key not in batch:
+                raise ConfigError(
+                    f"the batch is a dict of {', '.join(map(repr, batch))}, without {self.target_key!r}, where "
+                    f"{type(self).__name__} reads its targets (a task of your own can read others: README, Your own "
+                    "objective)"
+                )
+            return {key: value for key, value in batch.items() if key != self.target_key}, batch[self.target_key]
+        raise ConfigError(
+            f"the batch is a {type(batch).__name__}; {type(self).__name__} takes (inputs, targets), (x1, x2, ..., "
+            f"targets) or a dict with {self.target_key!r} (a task of your own takes anything: README, Your own "
+            "objective)"
+        )
+
+    def loss(self, outputs: Any, targets: Tensor) -> Tensor:
         """The training loss: a scalar, the mean over the batch (equal micro-batches then average to the batch's)."""
         raise NotImplementedError
 
@@ -47,8 +94,35 @@ class Task:
     def check(self, cfg: Any) -> None:
         """In the launcher, before any rank starts: does the task fit the data and model configs? Raises ConfigError."""
 
+    def check_sample(self, sample: Any, where: str) -> None:
+        """In the launcher and each rank, on one sample of the training set (`where` names the data set): raises
+        ConfigError if it does not fit. Here: its targets (see `split` and `check_targets`)."""
+        _, targets = self.split(sample)
+        self.check_targets(torch.as_tensor(targets), where)
+
     def check_targets(self, targets: Tensor, where: str) -> None:
-        """In each rank, on one sample's targets (`where` names the data set): raises ConfigError if they do not fit."""
+        """On one sample's targets (`where` names the data set): raises ConfigError if they do not fit."""
+
+
+def call(model: Any, inputs: Any) -> Any:
+    """The model called on a batch's inputs: a tuple or list positionally, a dict by keyword, else as one input."""
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    return model(inputs)
+
+
+def logits(outputs: Any, task: Task) -> Tensor:
+    """A model's outputs as a tensor: itself, or a mapping's (a Hugging Face ModelOutput's) `logits`."""
+    if isinstance(outputs, Tensor):
+        return outputs
+    if isinstance(outputs, Mapping) and isinstance(outputs.get("logits"), Tensor):
+        return outputs["logits"]
+    raise ConfigError(
+        f"the model returns a {type(outputs).__name__}; {type(task).__name__} reads a tensor of outputs, or a mapping "
+        "(or a Hugging Face ModelOutput) holding 'logits'"
+    )
 
 
 def count(outputs: Tensor, n: int) -> Tensor:

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hydraloop.errors import require
-from hydraloop.tasks.base import Task, count, misfit, task_name
+from hydraloop.tasks.base import Task, count, logits, misfit, task_name
 
 
 class Classification(Task):
@@ -28,10 +28,12 @@ class Classification(Task):
     def reported_metrics(self) -> list[str]:
         return [name for name in self.metrics if self.top5 or name != "val/acc_top5"]
 
-    def loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
+    def loss(self, outputs: Any, targets: Tensor) -> Tensor:
+        outputs = logits(outputs, self)
         return F.cross_entropy(outputs, targets, label_smoothing=self.label_smoothing)
 
-    def statistics(self, outputs: Tensor, targets: Tensor) -> Tensor:
+    def statistics(self, outputs: Any, targets: Tensor) -> Tensor:
+        outputs = logits(outputs, self)
         outputs = outputs.float()
         sums = [
             F.cross_entropy(outputs, targets, reduction="sum").double(),
@@ -45,7 +47,8 @@ class Classification(Task):
         *sums, n = totals
         return dict(zip(self.reported_metrics(), [sums[0] / n, *(correct / n for correct in sums[1:])]))
 
-    def predictions(self, outputs: Tensor) -> dict[str, Tensor]:
+    def predictions(self, outputs: Any) -> dict[str, Tensor]:
+        outputs = logits(outputs, self)
         return {"class": outputs.argmax(dim=1), "probabilities": outputs.float().softmax(dim=1)}
 
     def check(self, cfg: Any) -> None:

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hydraloop.errors import require
-from hydraloop.tasks.base import Task, count, misfit, task_name
+from hydraloop.tasks.base import Task, count, logits, misfit, task_name
 
 
 class LanguageModel(Task):
@@ -21,13 +21,15 @@ class LanguageModel(Task):
         self.tokens_per_sample = block_size
         self.num_statistics = 3  # loss sum, correct, tokens
 
-    def loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
+    def loss(self, outputs: Any, targets: Tensor) -> Tensor:
+        outputs = logits(outputs, self)
         return F.cross_entropy(outputs.flatten(0, 1), targets.flatten())
 
-    def statistics(self, outputs: Tensor, targets: Tensor) -> Tensor:
-        logits, targets = outputs.float().flatten(0, 1), targets.flatten()
-        loss_sum = F.cross_entropy(logits, targets, reduction="sum").double()
-        correct = (logits.argmax(dim=1) == targets).sum().double()
+    def statistics(self, outputs: Any, targets: Tensor) -> Tensor:
+        outputs = logits(outputs, self)
+        flat, targets = outputs.float().flatten(0, 1), targets.flatten()
+        loss_sum = F.cross_entropy(flat, targets, reduction="sum").double()
+        correct = (flat.argmax(dim=1) == targets).sum().double()
         return torch.stack([loss_sum, correct, count(outputs, targets.numel())])
 
     def metrics_from(self, totals: list[float]) -> dict[str, float]:
@@ -35,7 +37,8 @@ class LanguageModel(Task):
         loss = loss_sum / tokens
         return {"val/loss": loss, "val/ppl": math.exp(min(loss, 700.0)), "val/acc": correct / tokens}
 
-    def predictions(self, outputs: Tensor) -> dict[str, Tensor]:
+    def predictions(self, outputs: Any) -> dict[str, Tensor]:
+        outputs = logits(outputs, self)
         return {"next_token": outputs.argmax(dim=2)}  # the most likely next token after each position
 
     def check(self, cfg: Any) -> None:

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hydraloop.errors import require
-from hydraloop.tasks.base import Task, count, misfit, task_name
+from hydraloop.tasks.base import Task, count, logits, misfit, task_name
 
 
 class Regression(Task):
@@ -26,10 +26,12 @@ class Regression(Task):
         self.width = math.prod(self.target_shape)
         self.num_statistics = 3 * self.width + 2  # per value: squared errors, y, y²; then absolute errors, count
 
-    def loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
+    def loss(self, outputs: Any, targets: Tensor) -> Tensor:
+        outputs = logits(outputs, self)
         return F.mse_loss(outputs.reshape(targets.shape), targets)
 
-    def statistics(self, outputs: Tensor, targets: Tensor) -> Tensor:
+    def statistics(self, outputs: Any, targets: Tensor) -> Tensor:
+        outputs = logits(outputs, self)
         y = targets.double().reshape(len(targets), self.width)
         error = outputs.double().reshape(y.shape) - y
         per_value = [(error**2).sum(dim=0), y.sum(dim=0), (y**2).sum(dim=0)]  # each (width,)
@@ -42,7 +44,8 @@ class Regression(Task):
         r2 = [_r2(e, s, s2, n) for e, s, s2 in zip(sse, sum_y, sum_y2)]
         return {"val/mse": sum(sse) / (n * w), "val/mae": abs_error / (n * w), "val/r2": sum(r2) / w}
 
-    def predictions(self, outputs: Tensor) -> dict[str, Tensor]:
+    def predictions(self, outputs: Any) -> dict[str, Tensor]:
+        outputs = logits(outputs, self)
         return {"prediction": outputs.float().reshape(len(outputs), *self.target_shape)}
 
     def check(self, cfg: Any) -> None:

@@ -1,0 +1,49 @@
+"""Data sets and models of structured batches that the launcher must refuse, for the bad-input tests:
+`data.dataset._target_=tests.structured.with_text`, `model._target_=tests.structured.TupleOut`."""
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from hydraloop.models.mlp import MLP
+
+
+class Samples(Dataset):
+    def __init__(self, make) -> None:
+        self.make = make
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int):
+        return self.make(index)
+
+
+def with_text(**_):
+    """Dict samples that hold a string beside the tensors."""
+    sample = lambda i: {"x": torch.randn(8), "text": f"sample {i}", "labels": torch.tensor(i % 2)}  # noqa: E731
+    return Samples(sample), Samples(sample)
+
+
+def without_labels(**_):
+    """Dict samples whose targets are under another key than the task reads."""
+    sample = lambda i: {"x": torch.randn(8), "target": torch.tensor(i % 2)}  # noqa: E731
+    return Samples(sample), Samples(sample)
+
+
+class TupleOut(MLP):
+    """An MLP that returns a tuple (logits, features): no task can know which is which."""
+
+    def forward(self, x):
+        return super().forward(x), x
+
+
+class Keyword(nn.Module):
+    """A model called by keyword, for dict batches of `x`."""
+
+    def __init__(self, num_classes: int = 2) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, num_classes)
+
+    def forward(self, x):
+        return self.linear(x)
