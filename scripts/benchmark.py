@@ -13,7 +13,11 @@
 (d) Images per second through hydraloop's training loader over an image folder (scripts/make_image_folder.py's
     digits, 16x16 random crops and flips, seeded per sample) with 0, 1 and 2 worker processes, the transforms'
     closing ToDtype and Normalize run per batch (hydraloop's way) and per sample. (a) also runs a small CNN on that
-    folder against a hand-written ImageFolder loop with as many workers.
+    folder against a hand-written ImageFolder loop with as many workers, and the GPT fed dict batches against a
+    hand-written dict loop.
+(e) Against Lightning's Trainer (the `bench` extra; skipped with a note without it): throughput on the same model and
+    batches, Lightning quiet (no logger, checkpoints, progress bar) and with its defaults, and a 1-epoch digits run
+    from the command line, start-up to exit, each with its defaults.
 
 Prints a table and writes the figures as JSON. Medians throughout; (a)'s ratio is the median over processes of
 each process's median ratio of back-to-back pairs, the others are ratios of medians measured in this run.
@@ -41,7 +45,10 @@ sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from benchmark_commands import ddp_scaling, startup  # noqa: E402
+from benchmark_lightning import available as lightning_available  # noqa: E402
+from benchmark_lightning import command_line_runs, lightning_epoch_rates  # noqa: E402
 from benchmark_loops import (  # noqa: E402
+    DICT_BATCHES,
     IMAGE_FOLDER,
     LARGER_FILES,
     PER_SAMPLE_TAIL,
@@ -70,9 +77,12 @@ def loop_throughput(args, device: torch.device) -> list[dict]:
     for name in args.workloads:
         overrides = WORKLOADS[name]
         cfg = compose_config([*overrides, f"trainer.precision={args.precision}"])
+        dicts = name in DICT_BATCHES
         contenders = {
-            "hydraloop": hydraloop_epoch(cfg, device, elementwise_per_batch=name not in PER_SAMPLE_TAIL),
-            "hand-written": handwritten_epoch(cfg, device),
+            "hydraloop": hydraloop_epoch(
+                cfg, device, elementwise_per_batch=name not in PER_SAMPLE_TAIL, dict_batches=dicts
+            ),
+            "hand-written": handwritten_epoch(cfg, device, dict_batches=dicts),
         }
         for epoch in contenders.values():
             epoch()  # warm-up: allocator, caches, lazy initialisation
@@ -125,6 +135,38 @@ def loop_throughput_in_processes(args) -> list[dict]:
     ]
 
 
+def lightning_throughput(args, device: torch.device) -> list[dict]:
+    """(e): hydraloop's loop against Lightning's Trainer on the same model and batches, in one process, samples taken
+    in turn; Lightning quiet (no logger, checkpoints or progress bar) and with its defaults."""
+    rows = []
+    for name in args.lightning_workloads:
+        cfg = compose_config([*WORKLOADS[name], f"trainer.precision={args.precision}"])
+        hydraloop = hydraloop_epoch(cfg, device)
+        hydraloop()  # warm-up
+        start = time.perf_counter()
+        hydraloop()
+        epochs = max(1, math.ceil(0.5 / (time.perf_counter() - start)))
+        samples = {"hydraloop": [], "Lightning, quiet": [], "Lightning, defaults": []}
+        for _ in range(args.repeats):
+            samples["hydraloop"].append(timed(hydraloop, device, epochs))
+            samples["Lightning, quiet"].append(lightning_epoch_rates(cfg, device, defaults=False, epochs=epochs))
+            samples["Lightning, defaults"].append(lightning_epoch_rates(cfg, device, defaults=True, epochs=epochs))
+        ratios = {
+            label: statistics.median(ours / theirs for ours, theirs in zip(samples["hydraloop"], samples[label]))
+            for label in ("Lightning, quiet", "Lightning, defaults")
+        }
+        rows.append(
+            {
+                "workload": name,
+                "ratio_vs_quiet": ratios["Lightning, quiet"],
+                "ratio_vs_defaults": ratios["Lightning, defaults"],
+                "samples_per_s": {k: statistics.median(v) for k, v in samples.items()},
+                "samples": samples,
+            }
+        )
+    return rows
+
+
 def image_loader_throughput(args, device: torch.device) -> list[dict]:
     """(d): hydraloop's training loader alone, one epoch at a time, after a first epoch that starts the workers."""
     cfg = compose_config(IMAGE_FOLDER)
@@ -166,9 +208,12 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--precision", default="32", choices=["32", "bf16", "fp16"])
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "benchmark.json")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["loop", "startup", "ddp", "images"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["loop", "startup", "ddp", "images", "lightning"])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS), help="(a)'s")
     parser.add_argument("--ddp-procs", nargs="+", type=int, default=[1, 2], help="(c): parallel=ddp with these many")
+    parser.add_argument(
+        "--lightning-workloads", nargs="+", default=["synthetic MLP", "MNIST-1D CNN", "GPT"], choices=list(WORKLOADS)
+    )
     args = parser.parse_args()
     counts = (
         ("--repeats", [args.repeats]),
@@ -244,6 +289,23 @@ def main() -> None:
             rows = [row for row in report["images"] if row["todtype_normalize"] == where]
             figures = "  ".join(f"{row['workers']} workers: {row['images_per_s']:.0f}" for row in rows)
             print(f"ToDtype, Normalize {where:<12}{figures}")
+    if "lightning" not in args.skip and not lightning_available():
+        print("\n(e) Lightning: skipped, lightning is not installed (pip install 'hydraloop[bench]')")
+    elif "lightning" not in args.skip:
+        report["lightning"] = {"loop": lightning_throughput(args, device), "command_line": command_line_runs(args)}
+        print(f"\n(e) against Lightning's Trainer, same model and batches (median of {args.repeats} pairs)")
+        print(f"{'workload':<32}{'hydraloop':>11}{'quiet':>10}{'defaults':>10}{'x quiet':>9}{'x defaults':>12}")
+        for row in report["lightning"]["loop"]:
+            rates = row["samples_per_s"]
+            print(
+                f"{row['workload']:<32}{rates['hydraloop']:>11.0f}{rates['Lightning, quiet']:>10.0f}"
+                f"{rates['Lightning, defaults']:>10.0f}{row['ratio_vs_quiet']:>9.3f}{row['ratio_vs_defaults']:>12.3f}"
+            )
+        runs = report["lightning"]["command_line"]
+        print(
+            f"1-epoch digits run from the command line: hydraloop {runs['hydraloop_s']:.2f} s, Lightning "
+            f"{runs['lightning_s']:.2f} s ({runs['ratio']:.2f}x)"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwritten: {args.out}")

@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from make_image_folder import DEFAULT_ROOT
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
+from hydraloop.batches import count_rows
 from hydraloop.checkpoint import TrainState
 from hydraloop.data.loaders import SeededAugmentation, build_loaders
 from hydraloop.parallel.single import SingleDevice
@@ -47,7 +48,32 @@ WORKLOADS = {
     # The same with dropout 0.1: hydraloop's masks are keyed by sample (hydraloop.keyed_dropout), the hand-written
     # loop's are drawn from the generator, as nn.Dropout draws them.
     "GPT, dropout": ["experiment=text_gpt", "trainer.limit_train_batches=40"],
+    # The GPT fed dict batches ({"idx": tokens, "labels": next tokens}): the task calls model(idx=...), the
+    # hand-written loop does the same with its own dict loader.
+    "GPT, dict batches": ["experiment=text_gpt", "model.dropout=0", "trainer.limit_train_batches=40"],
 }
+DICT_BATCHES = {"GPT, dict batches"}
+
+
+class AsDicts(Dataset):
+    """(x, y) samples as {"idx": x, "labels": y}: a workload's data as dict batches."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        x, y = self.dataset[index]
+        return {"idx": x, "labels": y}
+
+
+def datasets(cfg, dict_batches: bool):
+    train_set, val_set = instantiate(cfg.data.dataset)
+    return (AsDicts(train_set), AsDicts(val_set)) if dict_batches else (train_set, val_set)
+
+
 PER_SAMPLE_TAIL = {"1 thread, Normalize per sample"}  # workloads whose hydraloop loader runs no transform per batch
 
 
@@ -56,12 +82,12 @@ def compose_config(overrides: list[str]):
         return compose("train", overrides=[*overrides, "output_dir=/unused", "log_file=/unused"])
 
 
-def hydraloop_epoch(cfg, device: torch.device, elementwise_per_batch: bool = True):
+def hydraloop_epoch(cfg, device: torch.device, elementwise_per_batch: bool = True, dict_batches: bool = False):
     """hydraloop's own loop, built from the config as src/train.py builds it; returns a function running 1 epoch."""
     strategy = SingleDevice(str(device))
     strategy.setup()
     torch.set_num_threads(cfg.trainer.cpu_threads or DEFAULT_THREADS)  # as configure_backends in src/train.py
-    train_set, val_set = instantiate(cfg.data.dataset)
+    train_set, val_set = datasets(cfg, dict_batches)
     loader, _ = build_loaders(
         train_set,
         val_set,
@@ -107,10 +133,10 @@ def hydraloop_epoch(cfg, device: torch.device, elementwise_per_batch: bool = Tru
     return epoch
 
 
-def handwritten_epoch(cfg, device: torch.device):
+def handwritten_epoch(cfg, device: torch.device, dict_batches: bool = False):
     """What a researcher writes by hand: a shuffling DataLoader, forward, backward, step."""
     torch.set_num_threads(cfg.trainer.cpu_threads or DEFAULT_THREADS)
-    train_set, _ = instantiate(cfg.data.dataset)
+    train_set, _ = datasets(cfg, dict_batches)
     if isinstance(train_set, SeededAugmentation):
         train_set = train_set.dataset  # the plain ImageFolder: crops drawn from each worker's own stream
     workers = cfg.data.num_workers
@@ -133,11 +159,16 @@ def handwritten_epoch(cfg, device: torch.device):
 
     def epoch() -> int:
         model.train()
-        for inputs, targets in itertools.islice(loader, steps):
-            inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        for batch in itertools.islice(loader, steps):
+            if dict_batches:
+                batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+                targets = batch.pop("labels")
+            else:
+                inputs, targets = batch[0].to(device, non_blocking=True), batch[1].to(device, non_blocking=True)
             with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+                outputs = model(**batch) if dict_batches else model(inputs)
                 # (N, classes) and (N,), or a language model's (B, T, vocab) and (B, T): one call for both.
-                loss = F.cross_entropy(model(inputs).flatten(0, -2), targets.flatten())
+                loss = F.cross_entropy(outputs.flatten(0, -2), targets.flatten())
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
             scaler.step(optimizer)
@@ -162,6 +193,6 @@ def loading_epochs(loader):
 
     def epoch() -> int:
         loader.set_epoch(next(epochs))
-        return sum(len(targets) for _, targets in loader)
+        return sum(count_rows(batch) for batch in loader)
 
     return epoch

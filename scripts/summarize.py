@@ -51,6 +51,7 @@ class Job:
     label: str = ""
     curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     from_events: bool = False
+    config: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -132,6 +133,7 @@ def read_job(path: Path) -> Job | None:
         optimized_metric=metric,
         mode=mode,
         fold=(config.get("data") or {}).get("fold") if (config.get("data") or {}).get("num_folds") else None,
+        config=config,
     )
 
 
@@ -160,24 +162,73 @@ def load_yaml(path: Path) -> Any:
 
 
 def read_curves(job: Job) -> None:
-    """The job's val curves from its TensorBoard events, else the final point from metrics.json."""
-    events = job.path / "tensorboard"
-    if events.is_dir() and any(events.glob("events.out.tfevents.*")):
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    """The job's val curves from what its loggers wrote (TensorBoard events, metrics.csv, an MLflow run), else the
+    final point from metrics.json."""
+    for reader in (_tensorboard_curves, _csv_curves, _mlflow_curves):
+        job.curves = reader(job)
+        if job.curves:
+            job.from_events = True
+            return
+    step = job.metrics.get("global_step", 0)
+    for tag, _ in CURVES:
+        if isinstance(job.metrics.get(tag), (int, float)):
+            job.curves[tag] = [(step, float(job.metrics[tag]))]
 
-        accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0})  # 0: keep every point
-        accumulator.Reload()
-        tags = set(accumulator.Tags().get("scalars", []))
-        for tag, _ in CURVES:
-            if tag in tags:
-                points = {event.step: event.value for event in accumulator.Scalars(tag)}  # last write per step
-                job.curves[tag] = sorted(points.items())
-        job.from_events = bool(job.curves)
-    if not job.curves:
-        step = job.metrics.get("global_step", 0)
-        for tag, _ in CURVES:
-            if isinstance(job.metrics.get(tag), (int, float)):
-                job.curves[tag] = [(step, float(job.metrics[tag]))]
+
+def _tensorboard_curves(job: Job) -> dict[str, list[tuple[int, float]]]:
+    events = job.path / "tensorboard"
+    if not (events.is_dir() and any(events.glob("events.out.tfevents.*"))):
+        return {}
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0})  # 0: keep every point
+    accumulator.Reload()
+    tags = set(accumulator.Tags().get("scalars", []))
+    # The last write per step: a resumed run logs its steps after the checkpoint again.
+    return {
+        tag: sorted({event.step: event.value for event in accumulator.Scalars(tag)}.items())
+        for tag, _ in CURVES
+        if tag in tags
+    }
+
+
+def _csv_curves(job: Job) -> dict[str, list[tuple[int, float]]]:
+    path = job.path / "metrics.csv"
+    if not path.is_file():
+        return {}
+    with path.open(newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    curves = {}
+    for tag, _ in CURVES:
+        points = {int(row["step"]): float(row[tag]) for row in rows if row.get(tag)}
+        if points:
+            curves[tag] = sorted(points.items())
+    return curves
+
+
+def _mlflow_curves(job: Job) -> dict[str, list[tuple[int, float]]]:
+    """The job's MLflow run (tagged with its run directory), in the tracking store its config names: an SQLite
+    path relative to where the sweep ran is looked for from here."""
+    logger = (job.config.get("logger") or {}).get("mlflow")
+    uri = str((logger or {}).get("tracking_uri", ""))
+    if not uri or uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
+        return {}
+    try:
+        from mlflow.tracking import MlflowClient
+    except ImportError:
+        return {}
+    client = MlflowClient(uri)
+    run_dir = str(job.path.resolve())
+    experiments = [experiment.experiment_id for experiment in client.search_experiments()]
+    runs = client.search_runs(experiments, f"tags.run_dir = '{run_dir}'", max_results=1) if "'" not in run_dir else []
+    if not runs:
+        return {}
+    curves = {}
+    for tag, _ in CURVES:
+        points = {metric.step: metric.value for metric in client.get_metric_history(runs[0].info.run_id, tag)}
+        if points:
+            curves[tag] = sorted(points.items())
+    return curves
 
 
 # --- ordering and labels ---------------------------------------------------------------------------------------
@@ -369,7 +420,7 @@ def plot_curves(
     fig.legend(handles, labels, loc="outside lower center", ncols=columns, fontsize=8, title=legend_title)
     title = f"Validation curves: {'/'.join(sweep_dir.resolve().parts[-2:])}"
     if not all(job.from_events for job in jobs):
-        title += "\n(single points: the final metrics.json of jobs without TensorBoard events, e.g. logger=none)"
+        title += "\n(single points: the final metrics.json of jobs that logged no curve, e.g. logger=none)"
     fig.suptitle(title)
     fig.savefig(path, dpi=110)
     plt.close(fig)

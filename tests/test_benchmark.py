@@ -17,7 +17,17 @@ def test_benchmark_reports_loop_and_startup_figures(tmp_path, train_env):
     proc = subprocess.run(
         [
             *[sys.executable, str(REPO / "scripts" / "benchmark.py"), "--repeats", "2", "--loop-processes", "2"],
-            *["--skip", "ddp", "--out", str(out), "--workloads", "synthetic MLP", "GPT", "image folder CNN"],
+            *[
+                "--skip",
+                "ddp",
+                "--out",
+                str(out),
+                "--workloads",
+                "synthetic MLP",
+                "GPT, dict batches",
+                "image folder CNN",
+            ],
+            *["--lightning-workloads", "synthetic MLP"],
         ],
         env=train_env,
         capture_output=True,
@@ -26,7 +36,7 @@ def test_benchmark_reports_loop_and_startup_figures(tmp_path, train_env):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
-    assert [row["workload"] for row in report["loop"]] == ["synthetic MLP", "GPT", "image folder CNN"]
+    assert [row["workload"] for row in report["loop"]] == ["synthetic MLP", "GPT, dict batches", "image folder CNN"]
     for row in report["loop"]:
         # Each process's ratio is the median of its back-to-back pairs'; the row's, the median over processes.
         assert len(row["processes"]) == 2
@@ -46,3 +56,10 @@ def test_benchmark_reports_loop_and_startup_figures(tmp_path, train_env):
     for row in report["images"]:
         assert len(row["samples"]) == 2 and row["images_per_s"] == pytest.approx(statistics.median(row["samples"]))
     assert "(a) loop throughput" in proc.stdout and "(b) start-up" in proc.stdout and "(d) image folder" in proc.stdout
+    (lightning,) = report["lightning"]["loop"]  # the bench extra is in dev: CI runs this row
+    samples = lightning["samples"]
+    assert lightning["ratio_vs_quiet"] == pytest.approx(
+        statistics.median(ours / theirs for ours, theirs in zip(samples["hydraloop"], samples["Lightning, quiet"]))
+    )
+    runs = report["lightning"]["command_line"]
+    assert runs["ratio"] == pytest.approx(runs["lightning_s"] / runs["hydraloop_s"]) and "(e) against" in proc.stdout

@@ -124,6 +124,19 @@ def test_without_events_and_minimizing_val_loss(run_train, tmp_path):
     assert job.curves["val/loss"] == [(written["1"]["global_step"], written["1"]["val/loss"])]
 
 
+@pytest.mark.slow
+def test_a_sweep_logged_to_csv_alone_gets_its_curves_from_metrics_csv(run_train, tmp_path):
+    sweep = tmp_path / "sweep"
+    run = run_train("-m", "seed=0,1", "trainer.max_epochs=2", "logger=csv", f"hydra.sweep.dir={sweep}")
+    assert run.returncode == 0, run.output
+    module = load_script()
+    job = module.read_job(sweep / "1")
+    module.read_curves(job)
+    with (sweep / "1" / "metrics.csv").open() as handle:
+        logged = [(int(row["step"]), float(row["val/acc"])) for row in csv.DictReader(handle) if row["val/acc"]]
+    assert job.from_events and job.curves["val/acc"] == logged and len(logged) == 2
+
+
 def test_bad_folders(tmp_path):
     result = summarize(tmp_path / "nope")
     assert result.returncode == 2 and f"{tmp_path / 'nope'}: no such folder" in result.stderr

@@ -1,0 +1,126 @@
+"""Lightning as a peer (the `bench` extra, `pip install 'hydraloop[bench]'`): the loop users of
+lightning-hydra-template run. (e) Its Trainer on the same model, optimizer and batches as benchmark_loops' two loops,
+with its logger, checkpoints and progress bar off and with its defaults; and a whole short run from the command line,
+start-up to exit, against `python src/train.py`. Imported by benchmark.py."""
+
+import importlib.util
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from benchmark_loops import DEFAULT_THREADS, datasets
+from hydra.utils import instantiate
+from torch.utils.data import DataLoader
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def available() -> bool:
+    return importlib.util.find_spec("lightning") is not None
+
+
+def lightning_epoch_rates(cfg, device: torch.device, defaults: bool, epochs: int) -> float:
+    """Samples per second of one `Trainer.fit` over `epochs` + 1 epochs, the first (warm-up) left out: the time from
+    each epoch's start to the next's (or the end), so with `defaults` a checkpoint and the logger's writes count."""
+    import lightning as L
+
+    torch.set_num_threads(cfg.trainer.cpu_threads or DEFAULT_THREADS)
+    train_set, _ = datasets(cfg, dict_batches=False)
+    loader = DataLoader(train_set, batch_size=cfg.data.batch_size, shuffle=True, drop_last=True)
+    steps = min(len(loader), cfg.trainer.limit_train_batches or len(loader))
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(cfg.seed)
+            self.model = instantiate(cfg.model)
+
+        def training_step(self, batch, batch_idx):
+            inputs, targets = batch
+            return F.cross_entropy(self.model(inputs).flatten(0, -2), targets.flatten())
+
+        def configure_optimizers(self):
+            return instantiate(cfg.optimizer)(self.parameters())
+
+    class EpochTimes(L.Callback):
+        def __init__(self) -> None:
+            self.starts: list[float] = []
+
+        def on_train_epoch_start(self, trainer, module) -> None:
+            self.starts.append(time.perf_counter())
+
+        def on_train_end(self, trainer, module) -> None:
+            self.starts.append(time.perf_counter())
+
+    times = EpochTimes()
+    quiet = {} if defaults else dict(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = L.Trainer(
+            accelerator="gpu" if device.type == "cuda" else "cpu",
+            devices=1,
+            max_epochs=epochs + 1,
+            limit_train_batches=steps,
+            enable_model_summary=False,
+            callbacks=[times],
+            default_root_dir=tmp,
+            **quiet,
+        )
+        trainer.fit(Module(), loader)
+    return epochs * steps * cfg.data.batch_size / (times.starts[-1] - times.starts[1])
+
+
+LIGHTNING_DIGITS_RUN = """
+import lightning as L, torch, torch.nn.functional as F
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+from torch.utils.data import DataLoader, TensorDataset
+
+x, y = load_digits(return_X_y=True)
+x_train, x_val, y_train, y_val = train_test_split(x, y, test_size=0.2, random_state=0)
+def loader(x, y, shuffle):
+    data = TensorDataset(torch.tensor(x, dtype=torch.float32), torch.tensor(y))
+    return DataLoader(data, batch_size=64, shuffle=shuffle, drop_last=shuffle)
+
+class Module(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128),
+                                         torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self.model(batch[0]), batch[1])
+    def validation_step(self, batch, batch_idx):
+        self.log("val/acc", (self.model(batch[0]).argmax(1) == batch[1]).float().mean())
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
+
+L.Trainer(max_epochs=1, accelerator="cpu", default_root_dir=ROOT).fit(
+    Module(), loader(x_train, y_train, True), loader(x_val, y_val, False)
+)
+"""
+
+
+def command_line_runs(args) -> dict:
+    """A 1-epoch digits run, start-up to exit, each with its defaults (TensorBoard logs, a checkpoint): hydraloop's
+    `python src/train.py trainer.max_epochs=1` and the same MLP, data and optimizer under Lightning's Trainer."""
+    times: dict[str, list[float]] = {"hydraloop": [], "Lightning": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(args.repeats):
+            hydraloop = [sys.executable, str(REPO / "src" / "train.py"), "trainer.max_epochs=1"]
+            hydraloop.append(f"hydra.run.dir={tmp}/hydraloop_{repeat}")
+            lightning = [sys.executable, "-c", LIGHTNING_DIGITS_RUN.replace("ROOT", repr(f"{tmp}/lightning_{repeat}"))]
+            for label, command in (("hydraloop", hydraloop), ("Lightning", lightning)):
+                start = time.perf_counter()
+                subprocess.run(command, cwd=REPO, check=True, capture_output=True)
+                times[label].append(time.perf_counter() - start)
+    hydraloop_s, lightning_s = (statistics.median(times[label]) for label in times)
+    return {
+        "hydraloop_s": hydraloop_s,
+        "lightning_s": lightning_s,
+        "ratio": lightning_s / hydraloop_s,
+        "samples": times,
+    }
