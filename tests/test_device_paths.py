@@ -226,10 +226,10 @@ def test_ddp_with_one_named_gpu_for_several_ranks_is_refused(gpus, monkeypatch):
         DDPStrategy("cuda:1", nproc_per_node=2)
     assert DDPStrategy("cuda:1", nproc_per_node=1).world_size == 1
     # Under torchrun: the same for two ranks on this node, unless each sees its own GPU only.
-    monkeypatch.setenv("RANK", "1")
-    monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    for key, value in dict(
+        RANK=1, LOCAL_RANK=1, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2, MASTER_ADDR="n0", MASTER_PORT=29500
+    ).items():
+        monkeypatch.setenv(key, str(value))
     with pytest.raises(ConfigError, match=r"^device=cuda:1: names one GPU for the 2 ranks on this machine"):
         DDPStrategy("cuda:1")
     gpus(1, visible_devices="5")
