@@ -17,6 +17,8 @@ from benchmark_loops import DEFAULT_THREADS, datasets
 from hydra.utils import instantiate
 from torch.utils.data import DataLoader
 
+from hydraloop.optim import optimizer_factory
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -45,7 +47,7 @@ def lightning_epoch_rates(cfg, device: torch.device, defaults: bool, epochs: int
             return F.cross_entropy(self.model(inputs).flatten(0, -2), targets.flatten())
 
         def configure_optimizers(self):
-            return instantiate(cfg.optimizer)(self.parameters())
+            return optimizer_factory(cfg.optimizer)(self.parameters())
 
     class EpochTimes(L.Callback):
         def __init__(self) -> None:

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 from hydraloop.batches import count_rows
 from hydraloop.checkpoint import TrainState
 from hydraloop.data.loaders import SeededAugmentation, build_loaders
+from hydraloop.optim import build_optimizer, optimizer_factory
 from hydraloop.parallel.single import SingleDevice
 from hydraloop.perf import Throughput
 from hydraloop.precision import Precision
@@ -105,7 +106,7 @@ def hydraloop_epoch(cfg, device: torch.device, elementwise_per_batch: bool = Tru
     )
     torch.manual_seed(cfg.seed)
     model = strategy.wrap(instantiate(cfg.model))
-    optimizer = instantiate(cfg.optimizer)(model.parameters())
+    optimizer = build_optimizer(cfg.optimizer, strategy.unwrap(model))
     trainer = Trainer(
         strategy,
         NullRunWriter(),
@@ -151,7 +152,7 @@ def handwritten_epoch(cfg, device: torch.device, dict_batches: bool = False):
     )
     torch.manual_seed(cfg.seed)
     model = instantiate(cfg.model).to(device)
-    optimizer = instantiate(cfg.optimizer)(model.parameters())
+    optimizer = optimizer_factory(cfg.optimizer)(model.parameters())
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(cfg.trainer.precision))
     scaler = torch.amp.GradScaler(device.type, enabled=dtype is torch.float16)
 

@@ -47,6 +47,7 @@ from hydraloop.errors import (
     unwrap_instantiation,
 )
 from hydraloop.loggers import JobInfo, build_logger
+from hydraloop.optim import build_optimizer
 from hydraloop.parallel.cluster import export_submitit_rank_env
 from hydraloop.parallel.single import SingleDevice
 from hydraloop.parallel.sweep_share import take_machine_share
@@ -159,7 +160,7 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice, job: JobInfo) -> dict
     if cfg.trainer.compile:
         model.compile()  # in place: no wrapper, so checkpoint keys stay those of the plain model
     model = strategy.wrap(model)
-    optimizer = instantiate(cfg.optimizer)(model.parameters())
+    optimizer = build_optimizer(cfg.optimizer, strategy.unwrap(model))
     # Per rank, per start: a restarted rank finds the latest checkpoint. Training loads all of it, evaluation the
     # weights; the state comes first, as the schedule plans the run's steps from where it stands.
     ckpt_path = checkpoint_to_resume(cfg)
@@ -168,6 +169,7 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice, job: JobInfo) -> dict
     state = train_state(checkpoint, cfg, own) if checkpoint else TrainState()
     sampler = train_loader.sampler
     total_steps = planned_steps(cfg.trainer.max_steps, cfg.trainer.max_epochs, state, sampler)
+    log.info("%d optimizer steps per epoch, %d in all (the schedule's plan)", sampler.steps_per_epoch, total_steps)
     scheduler = instantiate(cfg.scheduler)(optimizer, total_steps=total_steps, steps_per_epoch=sampler.steps_per_epoch)
     precision = Precision(cfg.trainer.precision, strategy.device)
     if checkpoint:

@@ -11,6 +11,7 @@ from torch.utils.data import TensorDataset
 from conftest import REPO, compose_train
 from hydraloop.arguments import check_arguments, check_model, check_optimization
 from hydraloop.data.loaders import ShardSampler, build_loaders
+from hydraloop.optim import optimizer_factory
 from hydraloop.seeding import epoch_seed
 
 PARALLEL = ("single", "dataparallel", "ddp")
@@ -68,7 +69,7 @@ def test_model_forward_on_data_shape(data, model):
 def test_optimizer_is_partial_over_parameters(optimizer):
     cfg = compose_train(f"optimizer={optimizer}")
     params = list(instantiate(cfg.model).parameters())
-    opt = instantiate(cfg.optimizer)(params)
+    opt = optimizer_factory(cfg.optimizer)(params)
     expected_class, expected_lr = OPTIMIZERS[optimizer]
     assert type(opt) is expected_class
     assert opt.param_groups[0]["lr"] == expected_lr
@@ -94,7 +95,7 @@ def test_constant_schedule():
 
 def test_cosine_schedule_warms_up_then_decays_to_min_lr_ratio():
     cfg = compose_train("scheduler=cosine", "scheduler.min_lr_ratio=0.1")
-    assert cfg.scheduler.warmup_epochs == 1.0
+    assert cfg.scheduler.warmup_epochs is None and cfg.scheduler.warmup_steps is None  # neither: one epoch
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     # 5 epochs of 10 steps: warm-up over steps 0-9, cosine over steps 10-50.
     scheduler = instantiate(cfg.scheduler)(optimizer, total_steps=50, steps_per_epoch=10)

@@ -17,6 +17,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from hydraloop.errors import ConfigError, first_line, require, unwrap_instantiation
+from hydraloop.optim import GROUPING_KEYS, optimizer_factory
 
 OVERLAYS = ("experiment", "hparams_search", "debug")  # `# @package _global_` groups: they set keys anywhere
 
@@ -43,6 +44,8 @@ def check_arguments(cfg: Any) -> None:
         takes_any = any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values())
         for key in node:
             if key.startswith("_") and key.endswith("_"):  # _partial_, _recursive_, ...
+                continue
+            if path == "optimizer" and key in GROUPING_KEYS:  # hydraloop's, not the optimizer's (hydraloop.optim)
                 continue
             value = OmegaConf.select(node, key)
             if key not in parameters and not takes_any:
@@ -154,18 +157,19 @@ def check_model(model: Any) -> None:
         raise_refusal("model", model, unwrap_instantiation(error))
 
 
-def check_optimization(optimizer: Any, scheduler: Any) -> None:
+def check_optimization(optimizer: Any, scheduler: Any, max_steps: int | None = None) -> None:
     """The optimizer's and the scheduler's checks of their values (torch.optim's `Invalid beta parameter at index 1:
     1.5`), before any rank starts: their constructors, given one CPU parameter. Only bad input is reported, as for
     the model: what else an optimizer cannot do with a CPU parameter (a fused kernel that is GPU-only), the ranks meet
-    for real."""
+    for real. The schedule is planned for `max_steps` where it is set (a warm-up longer than the run is refused
+    here), else for a run too long to refuse anything: the ranks, which know the steps per epoch, check the rest."""
     try:
-        built = instantiate(optimizer)([torch.zeros(1, requires_grad=True)])
+        built = optimizer_factory(optimizer)([torch.zeros(1, requires_grad=True)])
     except Exception as error:  # noqa: BLE001  see above
         raise_refusal("optimizer", optimizer, unwrap_instantiation(error))
         return
     try:
-        instantiate(scheduler)(built, total_steps=1, steps_per_epoch=1)
+        instantiate(scheduler)(built, total_steps=max_steps or 2**62, steps_per_epoch=1)
     except Exception as error:  # noqa: BLE001  see above
         raise_refusal("scheduler", scheduler, unwrap_instantiation(error))
 

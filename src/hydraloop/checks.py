@@ -24,6 +24,7 @@ from torch.utils.data import default_collate
 from hydraloop.arguments import check_arguments, check_model, check_optimization, raise_refusal, shown
 from hydraloop.batches import check_leaves, count_rows, map_tensors
 from hydraloop.errors import ConfigError, require, unwrap_instantiation
+from hydraloop.optim import check_parameter_groups
 
 PRECISIONS = ("32", "bf16", "fp16")
 
@@ -43,7 +44,10 @@ def check_launch(cfg: Any, strategy: Any) -> Any:
     if not cfg.data.check:
         check_data(cfg, task)
     check_model(cfg.model)
-    check_optimization(cfg.optimizer, cfg.scheduler)
+    if cfg.mode == "train":
+        with torch.device("meta"):
+            check_parameter_groups(cfg.optimizer, instantiate(cfg.model))
+    check_optimization(cfg.optimizer, cfg.scheduler, cfg.trainer.max_steps)
     if cfg.mode == "predict":  # the file fits the model, and gives every rank an input
         inputs = load_inputs(cfg.data.predict_path, cfg.data.input_shape, tokens=task.tokens_per_sample is not None)
         require(

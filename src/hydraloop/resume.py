@@ -19,8 +19,10 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
+from hydraloop.arguments import shown as shown_value
 from hydraloop.checkpoint import TrainState, load_checkpoint, restore_rng_state, step_checkpoints
 from hydraloop.errors import ConfigError
+from hydraloop.optim import GROUPING_KEYS, group_sizes
 from hydraloop.parallel.single import SingleDevice
 from hydraloop.precision import Precision
 from hydraloop.schedulers import apply_current_step
@@ -114,6 +116,17 @@ def check_resumable(path: str | Path, cfg: Any) -> None:
     if problems:
         shown = "; ".join(sorted(problems)[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
         raise ConfigError(f"{source}: does not fit model {model_cfg._target_} ({shown}){hint}")
+    saved_groups = [len(group["params"]) for group in checkpoint.get("optimizer", {}).get("param_groups", [])]
+    groups = group_sizes(model, cfg.optimizer)
+    if cfg.mode == "train" and saved_groups and saved_groups != groups:
+        values = {key: cfg.optimizer.get(key) for key in GROUPING_KEYS}
+        rules = ", ".join(
+            f"optimizer.{key}={str(v).lower() if isinstance(v, bool) else shown_value(v)}" for key, v in values.items()
+        )
+        raise ConfigError(
+            f"{rules}: make parameter groups of {groups} parameters, and {source} holds optimizer state for groups "
+            f"of {saved_groups}; resume with the grouping it was trained with{hint}"
+        )
 
 
 def finished_records(path: str | Path, cfg: Any) -> dict[str, Any] | None:

@@ -30,12 +30,33 @@ def cosine_with_warmup(
     *,
     total_steps: int,
     steps_per_epoch: int,
-    warmup_epochs: float = 1.0,
+    warmup_epochs: float | None = None,
+    warmup_steps: int | None = None,
     min_lr_ratio: float = 0.0,
 ) -> LambdaLR:
-    require(warmup_epochs >= 0, f"scheduler.warmup_epochs={warmup_epochs}: must be at least 0")
+    """Linear warm-up from 0 over `warmup_steps` optimizer steps, or `warmup_epochs` epochs (one or the other; neither:
+    one epoch), then cosine decay to `min_lr_ratio` times the lr at the run's last step."""
+    require(
+        warmup_epochs is None or warmup_steps is None,
+        f"scheduler.warmup_steps={warmup_steps}, scheduler.warmup_epochs={warmup_epochs}: give one or the other "
+        "(set the other to null)",
+    )
+    require(warmup_epochs is None or warmup_epochs >= 0, f"scheduler.warmup_epochs={warmup_epochs}: must be at least 0")
+    require(warmup_steps is None or warmup_steps >= 0, f"scheduler.warmup_steps={warmup_steps}: must be at least 0")
     require(0 <= min_lr_ratio <= 1, f"scheduler.min_lr_ratio={min_lr_ratio}: must be between 0 and 1")
-    warmup_steps = round(warmup_epochs * steps_per_epoch)
+    if warmup_steps is None:
+        key, value = "warmup_epochs", 1.0 if warmup_epochs is None else warmup_epochs
+        warmup_steps = round(value * steps_per_epoch)
+    else:
+        key, value = "warmup_steps", warmup_steps
+    # A warm-up longer than the run never reaches the peak lr (warmup_epochs=5 with max_steps=30: a sixth of it).
+    # One exactly as long reaches it at the last step: a 1-epoch trial of a recipe with a 1-epoch warm-up.
+    require(
+        warmup_steps <= total_steps,
+        f"scheduler.{key}={value}: a warm-up of {warmup_steps} steps passes the run's {total_steps} steps"
+        + (f" ({steps_per_epoch} per epoch)" if key == "warmup_epochs" else "")
+        + ", so the lr never reaches its peak; shorten it",
+    )
 
     def factor(step: int) -> float:
         if step < warmup_steps:
