@@ -40,7 +40,7 @@ def test_lr_scales_by_pattern_follow_the_schedule():
         optimizer.step()
         scheduler.step()
     for group, scale in zip(optimizer.param_groups, scales):
-        assert group["lr"] == pytest.approx(0.01 * scale * 4 / 4)  # step 3 of a 4-step warm-up: the peak
+        assert group["lr"] == pytest.approx(0.01 * scale)  # step 3 of a 4-step warm-up: the peak
 
 
 @pytest.mark.parametrize(
@@ -72,3 +72,23 @@ def test_warmup_in_steps_and_its_refusals():
     with pytest.raises(ConfigError, match=r"^scheduler.warmup_steps=3: a warm-up of 3 steps passes the run's 2 steps"):
         instantiate(cfg.scheduler)(optimizer, total_steps=2, steps_per_epoch=5)
     assert scheduler.get_last_lr()[0] == pytest.approx(1 / 3)
+
+
+def test_a_submodule_called_module_is_not_taken_for_a_wrapper():
+    # Only DDP's and DataParallel's wrappers are unwrapped: a user's own `.module` must keep the whole model's
+    # parameters in the optimizer and its whole state in the checkpoint.
+    from hydraloop.parallel.single import SingleDevice
+
+    class Outer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = torch.nn.Linear(2, 2)
+            self.head = torch.nn.Linear(2, 1)
+
+    strategy = SingleDevice("cpu")
+    strategy.setup()
+    model = strategy.wrap(Outer())
+    optimizer = build_optimizer(compose_train().optimizer, strategy.unwrap(model))
+    assert sum(len(group["params"]) for group in optimizer.param_groups) == 4
+    model_state, _ = strategy.state_dicts(model, optimizer)()
+    assert set(model_state) == {"module.weight", "module.bias", "head.weight", "head.bias"}

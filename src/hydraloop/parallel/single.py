@@ -87,8 +87,10 @@ class SingleDevice:
         return model.to(self.device)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        """The user's module, whose state_dict keys carry no wrapper prefix (`module.`)."""
-        return getattr(model, "module", model)
+        """The user's module, whose state_dict keys carry no wrapper prefix (`module.`): only DDP's and DataParallel's
+        wrappers are taken off, never a user's own submodule that happens to be called `module`."""
+        wrapped = isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel))
+        return model.module if wrapped else model
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
         """Context for the backward passes of all micro-batches but the last: no gradient communication."""
