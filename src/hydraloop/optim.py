@@ -7,7 +7,7 @@ never sees:
   of timm's `param_groups_weight_decay`, nanoGPT and Hugging Face's Trainer) and on those the model names in its own
   `no_weight_decay()` (timm's convention, e.g. position embeddings).
 - `no_weight_decay_names: [pattern, ...]`: no weight decay on parameters whose name matches one of these
-  `fnmatch` patterns too (embeddings: `["*wte.weight"]`).
+  `fnmatch` patterns too (embeddings: `["*embedding.weight"]`).
 - `lr_scales: [[pattern, scale], ...]`: the lr times `scale` for parameters whose name matches `pattern`, the first
   pattern that matches in the order given (a backbone at a tenth: `[[backbone.*, 0.1]]`; layer-wise decay: a pattern
   per layer). Pairs, not a mapping: a dotted name as a key would be read as a path. The schedule scales every group
