@@ -18,6 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from conftest import free_port
 from hydraloop.checkpoint import TrainState, checkpoint_state, load_checkpoint, restore_rng_state, rng_state
 from hydraloop.errors import ConfigError
+from hydraloop.optim import build_optimizer
 from hydraloop.parallel.dataparallel import DataParallelStrategy, autocast_replicas, gpus_to_split_over
 from hydraloop.parallel.ddp import DDPStrategy
 from hydraloop.parallel.fsdp import FSDPStrategy
@@ -56,7 +57,7 @@ def test_resume_loads_through_the_cpu_and_keeps_step_counters_there(train_in_pro
     strategy.device = torch.device("meta")
     with torch.device("meta"):
         model = instantiate(config.model)
-    optimizer = instantiate(config.optimizer)(model.parameters())
+    optimizer = build_optimizer(config.optimizer, model)
     scheduler = constant(optimizer, total_steps=100, steps_per_epoch=10)
     checkpoint = load_checkpoint(path)
     state = train_state(checkpoint, config, own=True)
