@@ -29,6 +29,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from hydraloop.backends import configure_backends
+from hydraloop.callbacks import build_callbacks, reported_metrics
 from hydraloop.checkpoint import TrainState, load_checkpoint
 from hydraloop.checks import check_launch, check_required
 from hydraloop.command_line import check_command_line
@@ -175,11 +176,12 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice, job: JobInfo) -> dict
     if checkpoint:
         restore(checkpoint, strategy, model, optimizer, scheduler, precision)
     elif ckpt_path:
-        state = load_weights(ckpt_path, strategy, model)
+        state = load_weights(ckpt_path, strategy, model, cfg.ckpt_weights)
     if ckpt_path:
         log.info("loaded %s: epoch %d, step %d", ckpt_path, state.epoch, state.global_step)
 
     config = OmegaConf.to_container(cfg, resolve=True)
+    callbacks = build_callbacks(cfg.callbacks) if cfg.mode == "train" else {}
     writer = (
         RunWriter(
             cfg.output_dir,
@@ -191,7 +193,7 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice, job: JobInfo) -> dict
             start_step=state.global_step,
             num_params=num_params,
             job=job,
-            val_metrics=task.reported_metrics(),
+            val_metrics=reported_metrics(task.reported_metrics(), callbacks),
         )
         if strategy.is_main_process
         else NullRunWriter()
@@ -215,20 +217,23 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice, job: JobInfo) -> dict
         stop_request=stop_request,
         rerun_starts_from=f"{ckpt_path} (step {state.global_step})" if ckpt_path else "scratch",
         validated=checkpoint["metrics"] if own and checkpoint else None,
+        callbacks=callbacks,
     )
+    if checkpoint:
+        trainer.load_callback_states(checkpoint.get("callbacks", {}))
     if cfg.mode == "eval":
         metrics = trainer.validate(val_loader, state)
     else:
         with stop_request:  # SIGTERM / SIGUSR1: checkpoint where the ranks next meet, then stop
             metrics = trainer.fit(train_loader, val_loader, state)
         if cfg.trainer.eval_best:
-            metrics.update(evaluate_best(cfg, strategy, trainer, val_loader))
+            metrics.update(evaluate_best(cfg, strategy, trainer))
     metrics.update({"model/params": num_params, "model/trainable_params": trainable})
     writer.finish(metrics)
     return metrics
 
 
-def evaluate_best(cfg: DictConfig, strategy: SingleDevice, trainer: Trainer, val_loader) -> dict:
+def evaluate_best(cfg: DictConfig, strategy: SingleDevice, trainer: Trainer) -> dict:
     """trainer.eval_best: the metrics of checkpoints/best.pt's weights, as best/<name>, with where they were saved.
     None if this run directory has no best.pt (a run with nothing left to train saves none): said in one line."""
     strategy.all_reduce(torch.zeros(1, device=strategy.device))  # a barrier: rank 0 has written best.pt
@@ -236,8 +241,11 @@ def evaluate_best(cfg: DictConfig, strategy: SingleDevice, trainer: Trainer, val
     if not path.is_file():
         log.warning("trainer.eval_best=true: %s does not exist: this run saved no checkpoint into its directory", path)
         return {}
-    best = load_weights(path, strategy, trainer.model)
-    metrics = {**trainer.evaluate(val_loader), "epoch": best.epoch, "global_step": best.global_step}
+    checkpoint = load_checkpoint(path)
+    strategy.load_model_state(trainer.model, checkpoint["model"])
+    trainer.load_callback_states(checkpoint.get("callbacks", {}))  # val/ema/...: best.pt's average
+    best = TrainState.of(checkpoint)
+    metrics = {**trainer.validation_metrics(best), "epoch": best.epoch, "global_step": best.global_step}
     return {f"best/{name}": value for name, value in metrics.items()}
 
 

@@ -76,6 +76,14 @@ ROWS = [
         ["model._target_=tests.structured.TupleOut"],
         "the model returns a tuple; Classification reads a tensor of outputs",
     ),
+    # Callbacks: one that does not exist, a value out of range, a metric no callback reports, weights for training.
+    (["callbacks=[ema,swa]"], "callbacks=[ema,swa]: 'swa' is not an option of callbacks (ema)"),
+    (["callbacks=[ema]", "callbacks.ema.decay=1.5"], "callbacks.ema.decay=1.5: must be in (0, 1)"),
+    (["callbacks=[ema]", "callbacks.ema.every_n_steps=0"], "callbacks.ema.every_n_steps=0: must be >= 1"),
+    (["callbacks=[ema]", "+callbacks.ema.decay_rate=0.9"], "EMA takes no argument 'decay_rate'"),
+    (["+callbacks.ema.decay=0.9"], "callbacks.ema={'decay': 0.9}: not a callback"),
+    (["optimized_metric=val/ema/acc"], "optimized_metric=val/ema/acc: the task reports val/loss, val/acc"),
+    (["ckpt_weights=ema"], "ckpt_weights=ema: for mode=eval and mode=predict"),
     # Tracebacks from constructors and launchers.
     (["model.hidden_sizes=256"], "model.hidden_sizes=256: must be a list, e.g. [256] (hydraloop.models.mlp.MLP)"),
     (["model=gpt", "data=text", "task=language_model", "model.n_layer=2.5"], "model.n_layer=2.5: must be an integer"),

@@ -31,7 +31,7 @@ def check_arguments(cfg: Any) -> None:
     its annotation says (a list where it takes a sequence, an integer where it takes an int, ...). Keys are free-form
     there (`+optimizer.weight_deacy=0.1` adds one), and a misspelt key, or `model.hidden_sizes=256` for a list, would
     otherwise fail in every rank, as a traceback from inside Hydra or the constructor."""
-    for path in (*INSTANTIATED, *_logger_paths(cfg)):
+    for path in (*INSTANTIATED, *_named_option_paths(cfg)):
         node = OmegaConf.select(cfg, path)
         if not OmegaConf.is_dict(node) or "_target_" not in node:
             continue
@@ -74,18 +74,29 @@ def _set_by(key: str) -> str:
     return f" (set by {' or '.join(overlays)})" if overlays else ""
 
 
-def _logger_paths(cfg: Any) -> list[str]:
-    """`logger.<name>` for each logger chosen; an entry that is not a logger's node is refused in one line."""
-    loggers = cfg.get("logger")
-    if not OmegaConf.is_dict(loggers) or "_target_" in loggers:
-        return []
-    for name, node in loggers.items():
-        require(
-            OmegaConf.is_dict(node) and "_target_" in node,
-            f"logger.{name}={shown(node)}: not a logger; the loggers chosen are nodes under logger.<name> "
-            f"(logger.wandb.{name}=... sets a W&B setting, with logger=wandb)",
-        )
-    return [f"logger.{name}" for name in loggers]
+# Groups whose options each sit under their own name, so that several can be chosen; what a stray key there means.
+NAMED_OPTIONS = {
+    "logger": ("logger", "logger.wandb.{name}=... sets a W&B setting, with logger=wandb"),
+    "callbacks": ("callback", "callbacks.ema.{name}=... sets an EMA setting, with callbacks=[ema]"),
+}
+
+
+def _named_option_paths(cfg: Any) -> list[str]:
+    """`logger.<name>` for each logger chosen, `callbacks.<name>` for each callback; an entry that is not such a
+    node is refused in one line."""
+    paths = []
+    for group, (kind, hint) in NAMED_OPTIONS.items():
+        nodes = cfg.get(group)
+        if not OmegaConf.is_dict(nodes) or "_target_" in nodes:
+            continue
+        for name, node in nodes.items():
+            require(
+                OmegaConf.is_dict(node) and "_target_" in node,
+                f"{group}.{name}={shown(node)}: not a {kind}; the {group} chosen are nodes under {group}.<name> "
+                f"({hint.format(name=name)})",
+            )
+            paths.append(f"{group}.{name}")
+    return paths
 
 
 def _annotations(target: Any) -> dict[str, Any]:

@@ -4,7 +4,8 @@ atomically.
 Keys: model (state_dict of the unwrapped model), optimizer, scheduler, the fields of TrainState (epoch: completed
 epochs, global_step, best_metric, ..., and epoch_samples, epoch_step, epoch_loss_sum, ...: progress into an
 unfinished epoch), grad_scaler (fp16 loss scale), metrics (the validation metrics when saved; empty mid-epoch), rng
-(torch, cuda: the saving rank's own GPU's or None, numpy, python) and config (resolved). What a resume takes of one
+(torch, cuda: the saving rank's own GPU's or None, numpy, python), config (resolved) and callbacks (each
+callback's state, by name: hydraloop.callbacks). What a resume takes of one
 is hydraloop.resume's.
 """
 
@@ -133,6 +134,7 @@ def checkpoint_state(
     metrics: dict[str, float],
     config: dict[str, Any],
     device: torch.device,
+    callbacks: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What a checkpoint holds (see the module docstring). The model's and optimizer's state come from the
     strategy (`SingleDevice.state_dicts`): those of a plain model and optimizer, under every strategy, copied to the
@@ -146,6 +148,7 @@ def checkpoint_state(
         "metrics": metrics,
         "rng": rng_state(device),
         "config": config,
+        "callbacks": on_cpu(callbacks or {}),
     }
 
 

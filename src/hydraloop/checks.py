@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 from torch.utils.data import default_collate
 
 from hydraloop.arguments import check_arguments, check_model, check_optimization, raise_refusal, shown
+from hydraloop.callbacks import build_callbacks, reported_metrics
 from hydraloop.batches import check_leaves, count_rows, map_tensors
 from hydraloop.errors import ConfigError, require, unwrap_instantiation
 from hydraloop.optim import check_parameter_groups
@@ -40,7 +41,7 @@ def check_launch(cfg: Any, strategy: Any) -> Any:
     if cfg.data.check:  # before the task's checks: an image folder that is missing explains its 0 classes
         _built(cfg, "data.check")
     task = instantiate(cfg.task)
-    check_task(cfg, task)
+    check_task(cfg, task, build_callbacks(cfg.callbacks))
     if not cfg.data.check:
         check_data(cfg, task)
     check_model(cfg.model)
@@ -108,6 +109,11 @@ def check_config(cfg: Any, world_size: int) -> None:
     require(
         cfg.mode != "predict" or cfg.data.predict_path,
         "mode=predict: needs data.predict_path=<.npz or .pt file holding x, the inputs>",
+    )
+    require(
+        cfg.mode != "train" or cfg.ckpt_weights == "model",
+        f"ckpt_weights={cfg.ckpt_weights}: for mode=eval and mode=predict; training resumes the trained weights, "
+        "and each callback its own state",
     )
     require(cfg.seed >= 0, f"seed={cfg.seed}: must be non-negative")
     batch_size = cfg.data.batch_size
@@ -212,10 +218,10 @@ def _check_folds(data: Any) -> None:
     )
 
 
-def check_task(cfg: Any, task: Any) -> None:
-    """The task fits the data and model, and reports `optimized_metric`."""
+def check_task(cfg: Any, task: Any, callbacks: dict) -> None:
+    """The task fits the data and model, and it or a callback reports `optimized_metric`."""
     task.check(cfg)
-    metric, reported = cfg.optimized_metric, task.reported_metrics()
+    metric, reported = cfg.optimized_metric, reported_metrics(task.reported_metrics(), callbacks)
     require(metric in reported, f"optimized_metric={metric}: the task reports {', '.join(reported)}")
 
 

@@ -206,6 +206,8 @@ class TrainConfig:
     logger: Any = MISSING
     task: Any = MISSING
     """What the loop optimises and validation reports (hydraloop.tasks)."""
+    callbacks: Any = field(default_factory=dict)
+    """Callbacks by name (hydraloop.callbacks): `callbacks=[ema]`."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     mode: str = "train"
     """train; eval: evaluate the weights of `ckpt_path` on the validation set and write metrics.json; predict: write
@@ -216,6 +218,9 @@ class TrainConfig:
     """auto: cuda if available, else cpu. DDP uses the local rank's GPU."""
     ckpt_path: str | None = None
     """Resume from this checkpoint: weights, optimizer, scheduler, epoch, step and RNG state."""
+    ckpt_weights: str = "model"
+    """mode=eval and mode=predict: the weights of `ckpt_path` to use: model (as trained), or the name of a callback
+    that saved weights of its own (ema: the average of callbacks.ema)."""
     resume: bool = True
     """Continue from the run directory's own checkpoints/last.pt when there is one (a job restarted by torchrun,
     requeued by SLURM, or rerun into the same `hydra.run.dir` after a stop signal); it takes precedence over

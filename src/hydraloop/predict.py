@@ -78,7 +78,7 @@ def predict(cfg: Any, strategy: SingleDevice, task: Task) -> dict[str, Any]:
         )
     model = strategy.wrap(instantiate(cfg.model))
     precision = Precision(cfg.trainer.precision, strategy.device)
-    state = load_weights(cfg.ckpt_path, strategy, model)
+    state = load_weights(cfg.ckpt_path, strategy, model, cfg.ckpt_weights)
     module = strategy.eval_module(model)
     module.eval()
     device, count = strategy.device, len(inputs)

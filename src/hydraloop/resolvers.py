@@ -75,6 +75,16 @@ def _reporting_config_errors(resolver: Callable[..., Any]) -> Callable[..., Any]
     return resolve
 
 
+def metric_mode(task: str, metric: str) -> str:
+    """The better direction of a task's metric, or of a callback's version of it: val/ema/loss is val/loss measured
+    with callbacks.ema's weights. An unknown metric gets a placeholder here: check_task names the valid ones."""
+    metrics = get_class(task).metrics
+    split, name = metric.split("/"), metric
+    if metric not in metrics and len(split) == 3:
+        name = f"{split[0]}/{split[2]}"
+    return metrics.get(name, "max")
+
+
 def register_resolvers() -> None:
     """`${sweep_direction:max}` -> maximize (for sweepers), `${shared_run_path:}`, `${default_metric:<task class>}`,
     `${metric_mode:<task class>,<metric>}`, data=text's `${text_vocab:path,level}` and `${text_vocab_size:vocab}`,
@@ -85,8 +95,7 @@ def register_resolvers() -> None:
     resolvers: dict[str, Callable[..., Any]] = {
         "sweep_direction": lambda mode: {"max": "maximize", "min": "minimize"}[mode],
         "default_metric": lambda task: get_class(task).default_metric,
-        # An unknown metric gets a placeholder here: check_task names the valid ones in one line.
-        "metric_mode": lambda task, metric: get_class(task).metrics.get(metric, "max"),
+        "metric_mode": metric_mode,
         "text_vocab": _reporting_config_errors(text.text_vocab),
         "text_vocab_size": _reporting_config_errors(text.vocab_size),
         "image_folder_classes": image_folder_classes,

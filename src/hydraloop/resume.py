@@ -75,6 +75,8 @@ def check_resumable(path: str | Path, cfg: Any) -> None:
         checkpoint = load_checkpoint(path, source)
     except ConfigError as error:
         raise ConfigError(f"{error}{hint}") from None
+    if cfg.mode != "train":
+        model_state(checkpoint, cfg.ckpt_weights, source)  # it holds the weights asked for
     saved_optimizer = checkpoint.get("config", {}).get("optimizer", {}).get("_target_")
     if cfg.mode == "train" and saved_optimizer and saved_optimizer != cfg.optimizer._target_:
         raise ConfigError(
@@ -202,11 +204,27 @@ def is_own(path: str | Path, cfg: Any) -> bool:
     return Path(path).resolve().parent == (Path(cfg.output_dir) / "checkpoints").resolve()
 
 
-def load_weights(path: str | Path, strategy: SingleDevice, model: nn.Module) -> TrainState:
-    """The checkpoint's weights into the (wrapped) model, for evaluation or prediction; its TrainState says whence."""
+def load_weights(path: str | Path, strategy: SingleDevice, model: nn.Module, weights: str = "model") -> TrainState:
+    """The checkpoint's weights into the (wrapped) model, for evaluation or prediction; its TrainState says whence.
+    `weights` (ckpt_weights): model, or a callback that saved weights of its own, such as callbacks.ema's average."""
     checkpoint = load_checkpoint(path)
-    strategy.load_model_state(model, checkpoint["model"])
+    strategy.load_model_state(model, model_state(checkpoint, weights, f"ckpt_path={path}"))
     return TrainState.of(checkpoint)
+
+
+def model_state(checkpoint: dict[str, Any], weights: str, source: str) -> dict[str, Any]:
+    """The checkpoint's `model`, or with `weights` naming a callback, its `weights` in place of the trained ones (the
+    model's buffers, which an average leaves alone, stay)."""
+    if weights == "model":
+        return checkpoint["model"]
+    saved = checkpoint.get("callbacks", {})
+    if "weights" not in saved.get(weights, {}):
+        held = ", ".join(name for name, state in saved.items() if "weights" in state)
+        raise ConfigError(
+            f"ckpt_weights={weights}: {source} holds no weights of callbacks.{weights}; it holds model"
+            + (f" and {held}" if held else " only (trained without callbacks that average weights)")
+        )
+    return {**checkpoint["model"], **saved[weights]["weights"]}
 
 
 def restore(

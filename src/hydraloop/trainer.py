@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from hydraloop.batches import map_tensors, to_device
+from hydraloop.callbacks import Callback
 from hydraloop.checkpoint import TrainState, checkpoint_state
 from hydraloop.data.loaders import GlobalBatchSampler, TrainLoader
 from hydraloop.early_stopping import EarlyStopping
@@ -69,11 +70,13 @@ class Trainer:
         stop_request: StopRequest | None = None,
         rerun_starts_from: str = "scratch",
         validated: dict[str, float] | None = None,
+        callbacks: dict[str, Callback] | None = None,
     ) -> None:
         """`settings` is the `trainer` config node (see hydraloop.config.TrainerConfig for each key); `model` is the
         strategy-wrapped model; `stop_request` is set by a stop signal (see hydraloop.preemption);
         `rerun_starts_from`: where a rerun into this run directory starts while this run has saved nothing (said
-        when the run fails); `validated`: the metrics of the resumed checkpoint's step, if it holds them."""
+        when the run fails); `validated`: the metrics of the resumed checkpoint's step, if it holds them;
+        `callbacks`: by name (hydraloop.callbacks), set up last, once the loop is built."""
         self.strategy, self.writer, self.precision, self.task = strategy, writer, precision, task
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.max_epochs = settings.max_epochs
@@ -115,6 +118,17 @@ class Trainer:
         self.rerun_starts_from = rerun_starts_from
         self.validated = validated or {}
         self.validated_at = -1  # the global step of the latest validation (see fit for a resumed one)
+        self.callbacks = callbacks or {}
+        for callback in self.callbacks.values():
+            callback.setup(self)
+
+    def load_callback_states(self, states: dict[str, Any]) -> None:
+        """A checkpoint's callback states (its `callbacks`), into the callbacks of this run's config."""
+        for name, callback in self.callbacks.items():
+            if name in states:
+                callback.load_state_dict(self, states[name])
+            else:
+                log.info("callbacks.%s: the checkpoint holds no state of it; it starts from the loaded weights", name)
 
     def finished(self, state: TrainState) -> bool:
         if state.stopped_early:
@@ -160,7 +174,7 @@ class Trainer:
         """Validates, logs the metrics (with `logged`), and checkpoints: last.pt, and best.pt if the metric improved.
         Weights that are not finite are neither: the run ends naming the checkpoint a rerun would start from."""
         self._before_validation_or_checkpoint(state)
-        val_metrics = self.evaluate(self.val_loader)
+        val_metrics = self.validation_metrics(state)
         self.writer.log_metrics({**val_metrics, **(logged or {})}, state.global_step)
         where = (
             f"step {state.global_step}/{self.max_steps}" if self.max_steps else f"epoch {state.epoch}/{self.max_epochs}"
@@ -178,6 +192,13 @@ class Trainer:
             self.save_checkpoint(state, val_metrics, is_best=is_best)
         return val_metrics
 
+    def validation_metrics(self, state: TrainState) -> dict[str, float]:
+        """The task's metrics of the weights as they are, and the callbacks' (val/ema/... beside them)."""
+        metrics = self.evaluate(self.val_loader)
+        for callback in self.callbacks.values():
+            metrics.update(callback.on_validation(self, state, metrics))
+        return metrics
+
     def save_checkpoint(self, state: TrainState, val_metrics: dict[str, float], is_best: bool) -> None:
         """The one place a checkpoint is made; called on every rank.
 
@@ -188,10 +209,18 @@ class Trainer:
             self.saved_at = state.global_step
             return  # not even FSDP's gather
         state_dicts = self.strategy.state_dicts(self.model, self.optimizer)
+        callback_states = {name: callback.state_dict(self) for name, callback in self.callbacks.items()}
 
         def make_state() -> dict[str, Any]:
             return checkpoint_state(
-                *state_dicts(), self.scheduler, self.precision, state, val_metrics, self.config, self.strategy.device
+                *state_dicts(),
+                self.scheduler,
+                self.precision,
+                state,
+                val_metrics,
+                self.config,
+                self.strategy.device,
+                callback_states,
             )
 
         self.writer.save_checkpoint(make_state, is_best=is_best)
@@ -276,6 +305,8 @@ class Trainer:
                 self._skipped(state)
             else:
                 state.skipped_in_a_row = 0
+                for callback in self.callbacks.values():
+                    callback.on_optimizer_step(self, state)
             if state.global_step % self.log_every_n_steps == 0:
                 epoch_loss += interval.loss_sum
                 self._log_interval(interval, state)
