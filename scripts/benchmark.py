@@ -264,6 +264,10 @@ def main() -> None:
                 f"{row['workload']:<32}{row['hydraloop_samples_per_s']:>12.0f}"
                 f"{row['handwritten_samples_per_s']:>14.0f}{row['ratio']:>8.3f}"
             )
+        rates = {row["workload"]: row["hydraloop_samples_per_s"] for row in report["loop"]}
+        if {"GPT", "GPT, EMA"} <= rates.keys():
+            report["ema_cost"] = rates["GPT"] / rates["GPT, EMA"] - 1
+            print(f"EMA's cost: {100 * report['ema_cost']:.1f}% of a GPT step (hydraloop's rows, GPT against GPT, EMA)")
     if "startup" not in args.skip:
         report["startup"] = startup(args)
         s = report["startup"]

@@ -102,3 +102,23 @@ def test_the_average_is_the_same_under_ddp_fsdp_accumulation_and_a_resume_under_
         groups = [(group["lr"], group["weight_decay"], len(group["params"])) for group in checkpoint["optimizer"]["param_groups"]]
         assert groups == [(group["lr"], group["weight_decay"], len(group["params"])) for group in expected["optimizer"]["param_groups"]]
     assert max_param_diff(averaged(expected), expected["model"]) > 1e-3  # an average, not the weights
+
+
+def test_a_step_skipped_for_a_non_finite_loss_does_not_move_the_average(run_train):
+    run = run_train(
+        "callbacks=[ema]",
+        "model._target_=tests.faults.NaNMLP",
+        "+model.fail_rank=0",
+        "+model.fail_at_step=3",
+        "trainer.nonfinite_loss=skip",
+        "trainer.max_steps=5",
+        "trainer.ckpt_every_n_steps=1",
+        "trainer.keep_last_k=10",
+        "logger=none",
+    )
+    assert run.returncode == 0, run.output
+    assert run.metrics["skipped_steps"] == 1
+    steps = [run.checkpoint(f"step-{step:08d}.pt") for step in range(1, 6)]
+    assert [checkpoint["callbacks"]["ema"]["updates"] for checkpoint in steps] == [1, 2, 2, 3, 4]
+    assert max_param_diff(steps[2]["model"], steps[1]["model"]) == 0  # the skipped step: no update...
+    assert max_param_diff(averaged(steps[2]), averaged(steps[1])) == 0  # ...and no average of it
