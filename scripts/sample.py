@@ -1,11 +1,13 @@
-"""Generate text from a language-model checkpoint (model=gpt, data=text), as nanoGPT's sample.py does.
+"""Generate text from a language-model checkpoint (model=gpt, data=text or data=tokens), as nanoGPT's
+sample.py does.
 
     python scripts/sample.py outputs/DATE/TIME/checkpoints/best.pt --prompt "ROMEO:" --max-new-tokens 500
 
 Rebuilds the model from the checkpoint's own config (`config.model`, with hydra.utils.instantiate), loads its
-weights and decodes with the vocabulary stored in its config (`config.data.vocab`, null for bytes), so the text
-comes back exactly as training encoded it. The same checkpoint, prompt, settings, seed and device give the same
-text. Bad input (no such file, not a language-model checkpoint, a prompt character outside the vocabulary) is one
+weights and decodes with the vocabulary stored in its config (`config.data.vocab`, null for bytes), or with
+data=tokens' tokenizer (`config.data.tokenizer`: a BPE's tokenizer.json is read from the prepared folder, and must
+be the file training used), so the text comes back exactly as training encoded it. The same checkpoint, prompt,
+settings, seed and device give the same text. Bad input (no such file, not a language-model checkpoint, a prompt character outside the vocabulary) is one
 line on stderr and exit code 2.
 """
 
@@ -19,7 +21,7 @@ from typing import Any
 import torch
 from hydra.utils import instantiate
 
-from hydraloop.data.text import decode, encode
+from hydraloop.data.tokens import Codec
 from hydraloop.errors import BAD_INPUT_EXIT_CODE, ConfigError
 from hydraloop.parallel.single import resolve_device
 
@@ -57,9 +59,9 @@ def sample(args: argparse.Namespace) -> list[str]:
     if args.top_k < 0:
         raise ConfigError(f"--top-k={args.top_k}: must be >= 0 (0: no limit)")
     device = resolve_device(args.device)
-    model, vocab = load_language_model(args.checkpoint, device)
-    prompt = args.prompt if args.prompt is not None else default_prompt(vocab)
-    idx = encode(prompt, vocab, where=f"--prompt={prompt!r}").to(device)
+    model, codec = load_language_model(args.checkpoint, device)
+    prompt = args.prompt if args.prompt is not None else codec.default_prompt()
+    idx = codec.encode(prompt, where=f"--prompt={prompt!r}").to(device)
     if idx.numel() == 0:
         raise ConfigError("--prompt='': give at least one character")
     generator = torch.Generator(device=device).manual_seed(args.seed)
@@ -68,12 +70,12 @@ def sample(args: argparse.Namespace) -> list[str]:
         tokens = model.generate(
             idx[None], args.max_new_tokens, args.temperature, top_k=args.top_k or None, generator=generator
         )
-        samples.append(decode(tokens[0].cpu(), vocab))
+        samples.append(codec.decode(tokens[0].cpu()))
     return samples
 
 
-def load_language_model(path: Path, device: torch.device) -> tuple[torch.nn.Module, str | None]:
-    """The checkpoint's model, on `device` in eval mode, and its vocabulary (None: bytes)."""
+def load_language_model(path: Path, device: torch.device) -> tuple[torch.nn.Module, Codec]:
+    """The checkpoint's model, on `device` in eval mode, and the codec of its tokens."""
     if not path.is_file():
         raise ConfigError(f"{path}: no such file")
     try:
@@ -84,9 +86,10 @@ def load_language_model(path: Path, device: torch.device) -> tuple[torch.nn.Modu
     if not isinstance(config, dict) or "model" not in checkpoint or "model" not in config:
         raise ConfigError(f"{path}: not a hydraloop checkpoint (needs 'model' and 'config' with a 'model' section)")
     data = config.get("data") or {}
-    if "vocab" not in data:
+    if "vocab" not in data and "tokenizer" not in data:
         raise ConfigError(
-            f"{path}: not a language-model checkpoint (its data config has no vocab; train with data=text)"
+            f"{path}: not a language-model checkpoint (its data config has no vocab or tokenizer; train with "
+            "data=text or data=tokens)"
         )
     model = instantiate(config["model"])
     if not callable(getattr(model, "generate", None)):
@@ -96,12 +99,7 @@ def load_language_model(path: Path, device: torch.device) -> tuple[torch.nn.Modu
             "method; scripts/sample.py samples from those (model=gpt with task=language_model)"
         )
     model.load_state_dict(checkpoint["model"])
-    return model.to(device).eval(), data["vocab"]
-
-
-def default_prompt(vocab: str | None) -> str:
-    """A newline, as nanoGPT starts: a text's natural beginning. A vocabulary without one starts at its first token."""
-    return "\n" if vocab is None or "\n" in vocab else vocab[0]
+    return model.to(device).eval(), Codec(data, str(path))
 
 
 if __name__ == "__main__":

@@ -265,6 +265,18 @@ SCRIPT_ROWS = [
     (["summarize.py", "SWEEP", "--out", "A_FILE"], "--out A_FILE: A_FILE is a file, not a folder"),
     (["make_image_folder.py", "A_FILE"], "A_FILE: a file, not a folder"),
     (["sample.py", "CLASSIFIER"], "is not a language model with a generate method"),
+    (["prepare_text.py", "SHORT_TEXT.missing", "NEW_FOLDER"], "SOURCE SHORT_TEXT.missing: no such file or folder"),
+    (["prepare_text.py", "SHORT_TEXT", "A_FILE"], "OUT A_FILE: exists and is not a prepared folder"),
+    (["prepare_text.py", "SHORT_TEXT", "NEW_FOLDER", "--tokenizer", "A_FILE.json"], "--tokenizer A_FILE.json: neither"),
+    (
+        ["prepare_text.py", "SHORT_TEXT", "NEW_FOLDER", "--vocab-size", "300"],
+        "--vocab-size 300: only for --tokenizer bpe",
+    ),
+    (["prepare_text.py", "SHORT_TEXT", "NEW_FOLDER", "--tokenizer", "bpe"], "--vocab-size None: --tokenizer bpe needs"),
+    (
+        ["prepare_text.py", "SHORT_TEXT", "NEW_FOLDER", "--val-fraction", "1"],
+        "--val-fraction 1.0: must be between 0 and 1",
+    ),
 ]
 
 
@@ -279,7 +291,12 @@ def classifier(run_train):
 @pytest.mark.parametrize("args, expected", SCRIPT_ROWS, ids=[" ".join(row[0]) for row in SCRIPT_ROWS])
 def test_a_helper_scripts_mistake_is_one_line_and_exit_2(train_env, tmp_path, made, classifier, args, expected):
     (tmp_path / "sweep").mkdir()
-    made = {**made, "SWEEP": str(tmp_path / "sweep"), "CLASSIFIER": str(classifier)}
+    made = {
+        **made,
+        "SWEEP": str(tmp_path / "sweep"),
+        "CLASSIFIER": str(classifier),
+        "NEW_FOLDER": str(tmp_path / "out"),
+    }
     script, *rest = substituted(args, made)
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / script), *rest], env=train_env, capture_output=True, text=True
@@ -287,6 +304,7 @@ def test_a_helper_scripts_mistake_is_one_line_and_exit_2(train_env, tmp_path, ma
     errors = [line for line in proc.stderr.splitlines() if not line.startswith(("usage:", " "))]
     assert proc.returncode == 2 and len(errors) == 1, proc.stdout + proc.stderr
     assert substituted([expected], made)[0] in errors[0]
+    assert not (tmp_path / "out").exists()
 
 
 def test_make_image_folder_writes_into_an_empty_folder(train_env, tmp_path):

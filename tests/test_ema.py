@@ -38,7 +38,9 @@ def test_the_average_is_the_hand_computed_one_and_is_validated_saved_and_evaluat
     for step, checkpoint in steps.items():
         if step % 2 == 0:  # every second optimizer step: decay min(0.9, (1 + k) / (10 + k)) for the k-th update
             decay = min(0.9, (1 + updates) / (10 + updates))
-            expected = {name: decay * value + (1 - decay) * checkpoint["model"][name] for name, value in expected.items()}
+            expected = {
+                name: decay * value + (1 - decay) * checkpoint["model"][name] for name, value in expected.items()
+            }
             updates += 1
         assert max_param_diff(averaged(checkpoint), expected) < 1e-6, step
         assert checkpoint["callbacks"]["ema"]["updates"] == updates
@@ -99,8 +101,14 @@ def test_the_average_is_the_same_under_ddp_fsdp_accumulation_and_a_resume_under_
         assert max_param_diff(checkpoint["model"], expected["model"]) < TOLERANCE, name
         assert checkpoint["callbacks"]["ema"]["updates"] == 8, name
         assert run.metrics["val/ema/loss"] == pytest.approx(single.metrics["val/ema/loss"], rel=1e-5), name
-        groups = [(group["lr"], group["weight_decay"], len(group["params"])) for group in checkpoint["optimizer"]["param_groups"]]
-        assert groups == [(group["lr"], group["weight_decay"], len(group["params"])) for group in expected["optimizer"]["param_groups"]]
+        groups = [
+            (group["lr"], group["weight_decay"], len(group["params"]))
+            for group in checkpoint["optimizer"]["param_groups"]
+        ]
+        assert groups == [
+            (group["lr"], group["weight_decay"], len(group["params"]))
+            for group in expected["optimizer"]["param_groups"]
+        ]
     assert max_param_diff(averaged(expected), expected["model"]) > 1e-3  # an average, not the weights
 
 

@@ -150,7 +150,13 @@ def test_a_stored_study_resumes(run_train, tmp_path):
 
 @pytest.mark.slow
 def test_a_language_model_search_minimises_perplexity(run_train, tmp_path):
-    tiny_gpt = ("model.n_layer=1", "model.n_embd=32", "data.block_size=32", "trainer.max_steps=6", "scheduler.warmup_steps=2")
+    tiny_gpt = (
+        "model.n_layer=1",
+        "model.n_embd=32",
+        "data.block_size=32",
+        "trainer.max_steps=6",
+        "scheduler.warmup_steps=2",
+    )
     run = run_train(
         "-m",
         "hparams_search=text_gpt_optuna",

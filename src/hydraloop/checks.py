@@ -22,8 +22,8 @@ from omegaconf import OmegaConf
 from torch.utils.data import default_collate
 
 from hydraloop.arguments import check_arguments, check_model, check_optimization, raise_refusal, shown
-from hydraloop.callbacks import build_callbacks, reported_metrics
 from hydraloop.batches import check_leaves, count_rows, map_tensors
+from hydraloop.callbacks import build_callbacks, reported_metrics
 from hydraloop.errors import ConfigError, require, unwrap_instantiation
 from hydraloop.optim import check_parameter_groups
 

@@ -123,6 +123,9 @@ class DataConfig:
     """data=text: the vocabulary, resolved from the file (hydraloop.data.text); null at byte level."""
     vocab_size: int | None = None
     """Sequence data: the number of distinct tokens, read by a language model as model.vocab_size."""
+    tokenizer: Any = None
+    """data=tokens: the tokenizer that made the token files (from their meta.json), kept with the config so that a
+    resume or sampling can tell another tokenizer's corpus."""
     check: Any = None
     """`_target_` called once in the launcher, before any rank starts, that raises ConfigError on bad data (an image
     folder's layout, say), for a data set too costly to build twice; null: the launcher builds the data set itself

@@ -89,6 +89,14 @@ def check_resumable(path: str | Path, cfg: Any) -> None:
             f"data.dataset.path={cfg.data.dataset.get('path')} ({len(cfg.data.get('vocab') or '')}): the token ids "
             f"would mean other characters{hint}"
         )
+    saved_tokenizer = checkpoint.get("config", {}).get("data", {}).get("tokenizer")
+    tokenizer = OmegaConf.to_container(cfg.data, resolve=True).get("tokenizer")
+    if saved_tokenizer is not None and tokenizer != saved_tokenizer:
+        raise ConfigError(
+            f"{source}: was trained on tokens of another tokenizer ({saved_tokenizer.get('kind')}) than "
+            f"data.dataset.dir={cfg.data.dataset.get('dir')}'s ({(tokenizer or {}).get('kind')}): the token ids "
+            f"would mean other text{hint}"
+        )
     done, max_steps = checkpoint["global_step"], cfg.trainer.max_steps
     if cfg.mode == "train" and max_steps is not None and max_steps < done:
         raise ConfigError(f"trainer.max_steps={max_steps}: below the {done} steps already done ({source}){hint}")

@@ -71,4 +71,7 @@ def build_callbacks(node: Any) -> dict[str, Callback]:
 
 def reported_metrics(task_metrics: list[str], callbacks: dict[str, Callback]) -> list[str]:
     """The validation metrics of a run: the task's, then each callback's."""
-    return [*task_metrics, *(name for callback in callbacks.values() for name in callback.reported_metrics(task_metrics))]
+    return [
+        *task_metrics,
+        *(name for callback in callbacks.values() for name in callback.reported_metrics(task_metrics)),
+    ]

@@ -102,7 +102,6 @@ class EMA(Callback):
         self.updates = state["updates"]
 
 
-
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of `tensor`, sharing its memory: a DTensor's local shard, or the tensor itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -45,7 +45,8 @@ class GlobalBatchSampler(Sampler[list]):
     An epoch can begin at any sample (`set_epoch(epoch, start_sample)`): a mid-epoch checkpoint stores its position
     in samples, so a run resumed under another batch size or world size continues at the sample it stopped at,
     without loading what it skips. `limit_batches` ends every epoch after that many global batches of the current
-    size. With `keyed_by_epoch` it yields (epoch, index) keys, which SeededAugmentation takes.
+    size. With `keyed_by_epoch` it yields (epoch, index) keys, which SeededAugmentation and data=tokens' random
+    windows take.
     """
 
     def __init__(
@@ -99,13 +100,15 @@ class GlobalBatchSampler(Sampler[list]):
         return self.batches_from(self.start_sample)
 
     def __iter__(self) -> Iterator[list]:
+        # A tensor, or a range: 8 bytes a sample, or none, where a list would hold a Python int (~36 bytes) each.
         if self.shuffle:
             generator = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.num_samples, generator=generator).tolist()
+            order = torch.randperm(self.num_samples, generator=generator)
         else:
-            order = list(range(self.num_samples))
+            order = range(self.num_samples)
         for start in range(self.start_sample, self.end, self.global_batch_size):
-            indices = order[start : min(start + self.global_batch_size, self.end)][self.rank :: self.world_size]
+            rows = order[start : min(start + self.global_batch_size, self.end)][self.rank :: self.world_size]
+            indices = rows.tolist() if self.shuffle else list(rows)
             yield [(self.epoch, index) for index in indices] if self.keyed_by_epoch else indices
 
 
@@ -165,6 +168,8 @@ class SeededAugmentation(Dataset):
     (persistent ones included) never see the sampler's set_epoch. The transforms must draw from torch's default
     generator, as all of torchvision's do. A plain index (a hand-written loader) gets an unseeded sample.
     """
+
+    keyed_by_epoch = True
 
     def __init__(self, dataset: Dataset, seed: int) -> None:
         self.dataset, self.seed = dataset, seed
@@ -295,10 +300,10 @@ def build_loaders(
         rank,
         world_size,
         seed=seed,
-        shuffle=shuffle,
+        shuffle=shuffle and not getattr(train_set, "draws_its_own_order", False),  # data=tokens' random windows
         drop_last=drop_last,
         limit_batches=limit_train_batches,
-        keyed_by_epoch=isinstance(train_set, SeededAugmentation),
+        keyed_by_epoch=getattr(train_set, "keyed_by_epoch", False),  # SeededAugmentation, data=tokens' windows
     )
     val_batches = BatchSampler(ShardSampler(len(val_set), rank, world_size), val_batch_size, drop_last=False)
     if on_device:

@@ -1,0 +1,217 @@
+"""data=tokens and scripts/prepare_text.py through the command line: memory-mapped token files train what data=text
+trains on the same tokens; random windows are exact under ddp, fsdp, accumulation and resume; a fixed validation
+draw is the same under 1 and 2 ranks; memory stays flat in the corpus size; bad files are one line."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO, bad_input_line, max_param_diff
+from hydraloop.data.text import corpus_path
+from hydraloop.data.tokens import RandomWindows, TokenFile
+
+PREPARE = REPO / "scripts" / "prepare_text.py"
+GPT = (
+    "model=gpt",
+    "task=language_model",
+    "model.n_layer=1",
+    "model.n_head=2",
+    "model.n_embd=32",
+    "data.block_size=32",
+    "data.batch_size=16",
+    "trainer.max_steps=8",
+    "logger=none",
+)
+
+
+def prepare(source, out, *args, env=None) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(PREPARE), str(source), str(out), *args]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def char_tokens(tmp_path_factory, train_env):
+    """The bundled corpus, prepared at char level."""
+    out = tmp_path_factory.mktemp("tokens") / "char"
+    done = prepare(corpus_path(None), out, env=train_env)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def test_strided_token_files_train_what_data_text_trains_on_the_same_tokens(run_train, char_tokens):
+    tokens = run_train(*GPT, "data=tokens", f"data.dataset.dir={char_tokens}", "data.dataset.windows=strided")
+    text = run_train(*GPT, "data=text")
+    assert tokens.returncode == 0 and text.returncode == 0, tokens.output + text.output
+    assert max_param_diff(tokens.checkpoint()["model"], text.checkpoint()["model"]) == 0
+    assert tokens.metrics["val/loss"] == text.metrics["val/loss"]
+    assert tokens.checkpoint()["config"]["data"]["tokenizer"]["vocab"] == text.checkpoint()["config"]["data"]["vocab"]
+
+
+def test_preparing_again_leaves_the_folder_and_another_corpus_is_refused(train_env, char_tokens, tmp_path):
+    before = {path.name: path.stat().st_mtime_ns for path in char_tokens.iterdir()}
+    again = prepare(corpus_path(None), char_tokens, env=train_env)
+    assert again.returncode == 0 and "up to date" in again.stdout, again.stderr
+    assert {path.name: path.stat().st_mtime_ns for path in char_tokens.iterdir()} == before
+    other = tmp_path / "other.txt"
+    other.write_text("to be or not to be\n" * 50)
+    refused = prepare(other, char_tokens, env=train_env)
+    assert refused.returncode == 2 and "holds token files of other sources or settings" in refused.stderr
+    assert {path.name: path.stat().st_mtime_ns for path in char_tokens.iterdir()} == before
+
+
+def test_random_windows_are_a_function_of_seed_epoch_and_index(char_tokens):
+    meta = json.loads((char_tokens / "meta.json").read_text())
+    file = TokenFile(char_tokens / "train.bin", meta["dtype"])
+    windows = RandomWindows(file, 32, meta["vocab_size"], "here", count=1000, seed=0)
+    starts = [windows.start((0, index)) for index in range(1000)]
+    assert starts == [RandomWindows(file, 32, 73, "here", 1000, 0).start((0, index)) for index in range(1000)]
+    assert starts != [windows.start((1, index)) for index in range(1000)]  # another epoch, other windows
+    assert min(starts) >= 0 and max(starts) <= file.length - 33  # a whole window (and its target) each
+    # Spread over the file: every tenth of it gets about a tenth of the windows.
+    assert np.histogram(starts, bins=10, range=(0, file.length))[0].min() > 60
+    x, y = windows[(0, 5)]
+    assert x.shape == y.shape == (32,) and (x[1:] == y[:-1]).all()
+
+
+@pytest.mark.slow
+def test_random_windows_are_exact_under_ddp_fsdp_accumulation_and_a_resume(run_train, char_tokens):
+    data = ("data=tokens", f"data.dataset.dir={char_tokens}", "data.dataset.val_windows=48")
+    single = run_train(*GPT, *data, "trainer.ckpt_every_n_steps=4", "trainer.keep_last_k=3")
+    assert single.returncode == 0, single.output
+    halfway = single.run_dir / "checkpoints" / "step-00000004.pt"
+    runs = {
+        "ddp": run_train(*GPT, *data, "parallel=ddp"),
+        "fsdp": run_train(*GPT, *data, "parallel=fsdp"),
+        "accumulating 4": run_train(*GPT, *data, "trainer.grad_accum_steps=4"),
+        "resumed under ddp": run_train(*GPT, *data, "parallel=ddp", f"ckpt_path={halfway}"),
+    }
+    for name, run in runs.items():
+        assert run.returncode == 0, name + run.output
+        assert max_param_diff(run.checkpoint()["model"], single.checkpoint()["model"]) < 1e-5, name
+        assert run.metrics["val/loss"] == pytest.approx(single.metrics["val/loss"], rel=1e-5), name
+    # The fixed validation draw: the same 48 windows, and so the same loss, under 1 and 2 ranks.
+    last = single.run_dir / "checkpoints" / "last.pt"
+    evaluated = {
+        ranks: run_train(*GPT, *data, "mode=eval", f"ckpt_path={last}", *parallel)
+        for ranks, parallel in ((1, ()), (2, ("parallel=ddp",)))
+    }
+    assert all(run.returncode == 0 for run in evaluated.values())
+    assert evaluated[2].metrics["val/loss"] == pytest.approx(evaluated[1].metrics["val/loss"], rel=1e-6)
+    assert evaluated[1].metrics["val/loss"] == pytest.approx(single.metrics["val/loss"], rel=1e-9)
+
+
+def write_random_tokens(folder, train_tokens: int, vocab_size: int = 64):
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for split, count in (("train", train_tokens), ("val", 4096)):
+        ids = np.empty(count, np.uint16)
+        for start in range(0, count, 1 << 22):  # written in slices: the test's own memory stays small
+            ids[start : start + (1 << 22)] = rng.integers(0, vocab_size, min(1 << 22, count - start))
+        ids.tofile(folder / f"{split}.bin")
+    meta = {"dtype": "uint16", "vocab_size": vocab_size, "tokenizer": {"kind": "random"}}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    return folder
+
+
+# The run's peak anonymous resident memory, sampled every 10 ms: what the process holds of its own. Pages of the
+# mapped token file it has read are page cache, which the kernel drops under pressure (and maps in large folios: a
+# window read can map megabytes of it), so they are not counted.
+PEAK_ANON = """
+import re, subprocess, sys, time
+child, peak = subprocess.Popen(sys.argv[1:]), 0
+while child.poll() is None:
+    try:
+        status = open(f"/proc/{child.pid}/status").read()
+        peak = max(peak, int(re.search(r"RssAnon:\\s+(\\d+)", status).group(1)))
+    except (OSError, AttributeError):
+        pass
+    time.sleep(0.01)
+print("peak", peak)
+sys.exit(child.returncode)
+"""
+
+
+@pytest.mark.slow
+def test_memory_stays_flat_in_the_corpus_size(run_train, tmp_path):
+    """Peak anonymous memory of a run on 64 thousand tokens and on 200 million (400 MB, which data=text would hold
+    as 3.2 GB of int64 windows): the same, to within noise."""
+    peaks = {}
+    for name, count in (("small", 1 << 16), ("large", 200_000_000)):
+        folder = write_random_tokens(tmp_path / name, count)
+        run = run_train(*GPT, "data=tokens", f"data.dataset.dir={folder}", wrapper=(sys.executable, "-c", PEAK_ANON))
+        assert run.returncode == 0, run.output
+        peaks[name] = int(run.output.rsplit("peak ", 1)[1].split()[0]) / 1024  # MiB
+        shutil.rmtree(folder)
+    assert peaks["large"] - peaks["small"] < 40, peaks
+
+
+def spoiled(folder, tmp_path, how: str):
+    """A copy of a prepared folder with one thing wrong."""
+    copy = tmp_path / "spoiled"
+    shutil.copytree(folder, copy)
+    meta = json.loads((copy / "meta.json").read_text())
+    if how == "no meta":
+        (copy / "meta.json").unlink()
+    elif how == "no val":
+        (copy / "val.bin").unlink()
+    elif how == "odd bytes":
+        with (copy / "train.bin").open("ab") as file:
+            file.write(b"\0")
+    elif how == "ids past the vocabulary":
+        (copy / "meta.json").write_text(json.dumps({**meta, "vocab_size": 10}))
+    elif how == "other files":
+        (copy / "meta.json").write_text(json.dumps({**meta, "tokens": {**meta["tokens"], "val": 5}}))
+    return copy
+
+
+SPOILED = [
+    ("no meta", "no meta.json (a folder prepared by scripts/prepare_text.py has one)"),
+    ("no val", ": no val.bin"),
+    ("odd bytes", "train.bin has 754439 bytes, not a whole number of uint16 tokens"),
+    ("ids past the vocabulary", "token id 35 at position 0 of train.bin is not below vocab_size=10 (meta.json)"),
+    ("other files", "val.bin holds 41914 tokens, meta.json says 5"),
+]
+
+
+@pytest.mark.parametrize("how, expected", SPOILED, ids=[row[0] for row in SPOILED])
+def test_a_spoiled_token_folder_is_one_line_before_any_rank_starts(run_train, char_tokens, tmp_path, how, expected):
+    folder = spoiled(char_tokens, tmp_path, how)
+    run = run_train(*GPT, "data=tokens", f"data.dataset.dir={folder}", "parallel=ddp", run_dir=tmp_path / "run")
+    assert expected in bad_input_line(run)
+    assert "[rank " not in run.output and not (tmp_path / "run").exists()
+
+
+def test_a_block_longer_than_the_val_split_is_one_line(run_train, tmp_path, train_env):
+    text = tmp_path / "short.txt"
+    text.write_text("a few words\n" * 20)  # 240 characters: 24 of them val
+    assert prepare(text, tmp_path / "short", env=train_env).returncode == 0
+    run = run_train(*GPT, "data=tokens", f"data.dataset.dir={tmp_path / 'short'}", run_dir=tmp_path / "run")
+    assert "data.block_size=32: val.bin of" in bad_input_line(run) and not (tmp_path / "run").exists()
+
+
+def test_a_bpe_corpus_trains_samples_with_its_tokenizer_and_refuses_another(run_train, tmp_path, train_env):
+    text = tmp_path / "plays.txt"
+    text.write_text(corpus_path(None).read_text()[:60_000])
+    bpe = tmp_path / "bpe"
+    done = prepare(text, bpe, "--tokenizer", "bpe", "--vocab-size", "400", env=train_env)
+    assert done.returncode == 0, done.stderr
+    meta = json.loads((bpe / "meta.json").read_text())
+    assert meta["vocab_size"] == 400 and meta["tokenizer"]["kind"] == "bpe"
+    run = run_train(*GPT, "data=tokens", f"data.dataset.dir={bpe}", "data.block_size=16")
+    assert run.returncode == 0, run.output
+    assert run.checkpoint()["config"]["model"]["vocab_size"] == 400
+    last = run.run_dir / "checkpoints" / "last.pt"
+    sample = [sys.executable, str(REPO / "scripts" / "sample.py"), str(last), "--max-new-tokens", "8"]
+    sampled = subprocess.run([*sample, "--prompt", "ROMEO:"], capture_output=True, text=True, env=train_env)
+    assert sampled.returncode == 0 and sampled.stdout.startswith("ROMEO:"), sampled.stderr
+    # The corpus prepared again with another vocabulary: a resume and sampling each refuse it in one line.
+    again = prepare(text, bpe, "--tokenizer", "bpe", "--vocab-size", "300", "--overwrite", env=train_env)
+    assert again.returncode == 0, again.stderr
+    resumed = run_train(*GPT, "data=tokens", f"data.dataset.dir={bpe}", "data.block_size=16", f"ckpt_path={last}")
+    assert "was trained on tokens of another tokenizer" in bad_input_line(resumed)
+    refused = subprocess.run(sample, capture_output=True, text=True, env=train_env)
+    assert refused.returncode == 2 and "is not the tokenizer it was trained with" in refused.stderr
