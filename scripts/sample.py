@@ -7,8 +7,8 @@ Rebuilds the model from the checkpoint's own config (`config.model`, with hydra.
 weights and decodes with the vocabulary stored in its config (`config.data.vocab`, null for bytes), or with
 data=tokens' tokenizer (`config.data.tokenizer`: a BPE's tokenizer.json is read from the prepared folder, and must
 be the file training used), so the text comes back exactly as training encoded it. The same checkpoint, prompt,
-settings, seed and device give the same text. Bad input (no such file, not a language-model checkpoint, a prompt character outside the vocabulary) is one
-line on stderr and exit code 2.
+settings, seed and device give the same text. Bad input (no such file, not a language-model checkpoint, a prompt
+character outside the vocabulary) is one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
