@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -197,3 +198,23 @@ def mlflow_uri(tmp_path_factory) -> str:
     uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
     MlflowClient(uri)
     return uri
+
+
+def write_random_tokens(folder: Path, train_tokens: int, vocab_size: int = 64) -> Path:
+    """A data=tokens folder of uniformly random ids (and 4096 val tokens), written in slices: memory stays small."""
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for split, count in (("train", train_tokens), ("val", 4096)):
+        ids = np.empty(count, np.uint16)
+        for start in range(0, count, 1 << 22):
+            ids[start : start + (1 << 22)] = rng.integers(0, vocab_size, min(1 << 22, count - start))
+        ids.tofile(folder / f"{split}.bin")
+    meta = {"dtype": "uint16", "vocab_size": vocab_size, "tokenizer": {"kind": "random"}}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def token_folder(tmp_path_factory) -> Path:
+    """A small data=tokens folder, with GPT-2's vocabulary size (the gpt2_124m recipe reads it)."""
+    return write_random_tokens(tmp_path_factory.mktemp("tokens") / "random", 20_000, vocab_size=50257)

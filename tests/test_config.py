@@ -43,15 +43,19 @@ NEEDS = {  # the values an option requires (???), or the data it is meant for
     "data=image_folder": ["data.dataset.root=/nowhere", "data.num_classes=10"],  # else counted there: 0
     "experiment=imagenet_resnet50": ["data.dataset.root=/nowhere", "data.num_classes=1000"],
     "model=gpt": ["data=text", "task=language_model"],
+    "data=tokens": ["data.dataset.dir=TOKENS", "model=gpt", "task=language_model"],
+    "experiment=nanogpt_shakespeare_char_cpu": ["data.dataset.dir=TOKENS"],
+    "experiment=gpt2_124m": ["data.dataset.dir=TOKENS"],
 }
 
 
 @pytest.mark.parametrize("option", SHIPPED_OPTIONS)
-def test_every_shipped_option_passes_the_launchers_checks_of_keys_and_values(option):
+def test_every_shipped_option_passes_the_launchers_checks_of_keys_and_values(option, token_folder):
     """checks.check_arguments refuses a key its node's _target_ does not take, check_model and check_optimization a
     value the model, the optimizer or the scheduler refuses; no shipped config has either (the refusals themselves:
     test_bad_input.py)."""
-    cfg = OmegaConf.create(OmegaConf.to_container(compose_train(option, *NEEDS.get(option, [])), resolve=True))
+    needs = [value.replace("TOKENS", str(token_folder)) for value in NEEDS.get(option, [])]
+    cfg = OmegaConf.create(OmegaConf.to_container(compose_train(option, *needs), resolve=True))
     check_arguments(cfg)
     check_model(cfg.model)
     check_optimization(cfg.optimizer, cfg.scheduler)

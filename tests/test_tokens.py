@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO, bad_input_line, max_param_diff
+from conftest import REPO, bad_input_line, max_param_diff, write_random_tokens
 from hydraloop.data.text import corpus_path
 from hydraloop.data.tokens import RandomWindows, TokenFile
 
@@ -102,19 +102,6 @@ def test_random_windows_are_exact_under_ddp_fsdp_accumulation_and_a_resume(run_t
     assert all(run.returncode == 0 for run in evaluated.values())
     assert evaluated[2].metrics["val/loss"] == pytest.approx(evaluated[1].metrics["val/loss"], rel=1e-6)
     assert evaluated[1].metrics["val/loss"] == pytest.approx(single.metrics["val/loss"], rel=1e-9)
-
-
-def write_random_tokens(folder, train_tokens: int, vocab_size: int = 64):
-    folder.mkdir()
-    rng = np.random.default_rng(0)
-    for split, count in (("train", train_tokens), ("val", 4096)):
-        ids = np.empty(count, np.uint16)
-        for start in range(0, count, 1 << 22):  # written in slices: the test's own memory stays small
-            ids[start : start + (1 << 22)] = rng.integers(0, vocab_size, min(1 << 22, count - start))
-        ids.tofile(folder / f"{split}.bin")
-    meta = {"dtype": "uint16", "vocab_size": vocab_size, "tokenizer": {"kind": "random"}}
-    (folder / "meta.json").write_text(json.dumps(meta))
-    return folder
 
 
 # The run's peak anonymous resident memory, sampled every 10 ms: what the process holds of its own. Pages of the
@@ -215,3 +202,31 @@ def test_a_bpe_corpus_trains_samples_with_its_tokenizer_and_refuses_another(run_
     assert "was trained on tokens of another tokenizer" in bad_input_line(resumed)
     refused = subprocess.run(sample, capture_output=True, text=True, env=train_env)
     assert refused.returncode == 2 and "is not the tokenizer it was trained with" in refused.stderr
+
+
+def test_nanogpts_cpu_recipe_takes_its_first_steps_on_the_bundled_plays(run_train, char_tokens):
+    run = run_train(
+        "experiment=nanogpt_shakespeare_char_cpu", f"data.dataset.dir={char_tokens}", "trainer.max_steps=120",
+        "trainer.val_every_n_steps=null", "logger=none",
+    )  # fmt: skip
+    assert run.returncode == 0, run.output
+    config = run.checkpoint()["config"]
+    assert config["model"]["bias"] is False and config["trainer"]["grad_clip_norm"] == 1.0
+    assert run.metrics["val/loss"] < 3.0  # past the warm-up, well below the 4.3 of a uniform guess over 73 characters
+
+
+@pytest.mark.slow
+def test_the_gpt2_recipe_takes_its_first_steps_under_ddp_with_accumulation_and_bf16(run_train, token_folder):
+    """GPT-2 124M's settings on 2 CPU ranks, but 2 of its 12 layers and 64 of its 1024 positions: the first steps."""
+    run = run_train(
+        "experiment=gpt2_124m", f"data.dataset.dir={token_folder}", "model.n_layer=2", "data.block_size=64",
+        "data.batch_size=10", "data.num_workers=0", "data.dataset.val_windows=4", "trainer.max_steps=2",
+        "trainer.compile=false", "scheduler.warmup_steps=1", "parallel.nproc_per_node=2", "logger=none",
+        timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.output
+    config = run.checkpoint()["config"]
+    assert config["model"]["vocab_size"] == 50304 and config["model"]["n_embd"] == 768
+    assert config["trainer"]["precision"] == "bf16" and config["trainer"]["grad_accum_steps"] == 5
+    assert run.metrics["world_size"] == 2 and run.metrics["global_step"] == 2
+    assert abs(run.metrics["val/loss"] - np.log(50304)) < 0.5  # random ids: about a uniform guess
