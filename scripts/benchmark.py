@@ -52,6 +52,7 @@ from benchmark_loops import (  # noqa: E402
     IMAGE_FOLDER,
     LARGER_FILES,
     PER_SAMPLE_TAIL,
+    TOKEN_DIR,
     WORKLOADS,
     compose_config,
     handwritten_epoch,
@@ -60,6 +61,7 @@ from benchmark_loops import (  # noqa: E402
     timed,
 )
 from make_image_folder import DEFAULT_ROOT, write_digits  # noqa: E402
+from prepare_text import prepare_default as prepare_tokens  # noqa: E402
 
 from hydraloop.config import register_configs  # noqa: E402
 from hydraloop.data.loaders import build_loaders  # noqa: E402
@@ -251,6 +253,7 @@ def main() -> None:
     }
     write_digits(DEFAULT_ROOT)  # the image folders of (a) and (d), unless they are there
     write_digits(LARGER_FILES, size=128)
+    prepare_tokens(TOKEN_DIR)
     if "loop" not in args.skip:
         one = args.loop_processes == 1
         report["loop"] = loop_throughput(args, device) if one else loop_throughput_in_processes(args)

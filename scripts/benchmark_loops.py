@@ -5,9 +5,11 @@ null). Also the workloads they run, and the timing of an epoch function.
 Imported by benchmark.py, which puts src/ and scripts/ on the path first."""
 
 import itertools
+import json
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
@@ -19,7 +21,7 @@ from hydraloop.batches import count_rows
 from hydraloop.callbacks import build_callbacks
 from hydraloop.checkpoint import TrainState
 from hydraloop.data.loaders import SeededAugmentation, build_loaders
-from hydraloop.optim import build_optimizer, optimizer_factory
+from hydraloop.optim import build_optimizer
 from hydraloop.parallel.single import SingleDevice
 from hydraloop.perf import Throughput
 from hydraloop.precision import Precision
@@ -34,6 +36,8 @@ IMAGE_CNN = [*IMAGE_FOLDER, "data.num_workers=1", "model=cnn", "model.channels=[
 # The same digits drawn as 128 x 128 files, cropped to the same 16 x 16: decoding and cropping take longer, as they
 # do for photographs, while the model's step stays the same.
 LARGER_FILES = DEFAULT_ROOT.with_name(f"{DEFAULT_ROOT.name}_128")
+# The bundled plays as character token files (scripts/prepare_text.py), for data=tokens.
+TOKEN_DIR = DEFAULT_ROOT.with_name("shakespeare_char_tokens")
 WORKLOADS = {
     "synthetic MLP": ["data=synthetic", "data.dataset.num_train=16384", "data.batch_size=256", "model=mlp"],
     "MNIST-1D CNN": ["data=mnist1d", "data.batch_size=128", "model=cnn"],
@@ -56,6 +60,13 @@ WORKLOADS = {
     # The GPT with callbacks=[ema], against a hand-written loop updating its own average with the same foreach
     # kernel after each step: the ratio is the callback's overhead, the row against "GPT" the average's cost.
     "GPT, EMA": ["experiment=text_gpt", "model.dropout=0", "trainer.limit_train_batches=40", "callbacks=[ema]"],
+    # experiment=nanogpt_shakespeare_char_cpu on memory-mapped token files, random windows, clipping; against
+    # nanoGPT's own way: torch.randint offsets into the np.memmap, stacked by get_batch.
+    "nanoGPT recipe, token file": [
+        "experiment=nanogpt_shakespeare_char_cpu",
+        f"data.dataset.dir={TOKEN_DIR}",
+        "trainer.limit_train_batches=40",
+    ],
 }
 DICT_BATCHES = {"GPT, dict batches"}
 
@@ -139,9 +150,28 @@ def hydraloop_epoch(cfg, device: torch.device, elementwise_per_batch: bool = Tru
     return epoch
 
 
+def get_batches(cfg, device: torch.device):
+    """nanoGPT's get_batch: B offsets from torch.randint, each window copied out of the np.memmap and stacked."""
+    meta = json.loads((Path(cfg.data.dataset.dir) / "meta.json").read_text())
+    data = np.memmap(Path(cfg.data.dataset.dir) / "train.bin", dtype=meta["dtype"], mode="r")
+    block, batch = cfg.data.block_size, cfg.data.batch_size
+
+    def batches():
+        while True:
+            starts = torch.randint(len(data) - block, (batch,)).tolist()
+            x = torch.stack([torch.from_numpy(data[i : i + block].astype(np.int64)) for i in starts])
+            y = torch.stack([torch.from_numpy(data[i + 1 : i + 1 + block].astype(np.int64)) for i in starts])
+            yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+
+    return batches()
+
+
 def handwritten_epoch(cfg, device: torch.device, dict_batches: bool = False):
-    """What a researcher writes by hand: a shuffling DataLoader, forward, backward, step."""
+    """What a researcher writes by hand: a shuffling DataLoader (or nanoGPT's get_batch for token files), forward,
+    backward, clipping when the recipe clips, step."""
     torch.set_num_threads(cfg.trainer.cpu_threads or DEFAULT_THREADS)
+    if cfg.data.dataset._target_.endswith("load_tokens"):
+        return _handwritten_epoch(cfg, device, get_batches(cfg, device), cfg.trainer.limit_train_batches, False)
     train_set, _ = datasets(cfg, dict_batches)
     if isinstance(train_set, SeededAugmentation):
         train_set = train_set.dataset  # the plain ImageFolder: crops drawn from each worker's own stream
@@ -155,13 +185,17 @@ def handwritten_epoch(cfg, device: torch.device, dict_batches: bool = False):
         num_workers=workers,
         persistent_workers=workers > 0,
     )
+    steps = min(len(loader), cfg.trainer.limit_train_batches or len(loader))
+    return _handwritten_epoch(cfg, device, loader, steps, dict_batches)
+
+
+def _handwritten_epoch(cfg, device: torch.device, loader, steps: int, dict_batches: bool):
     torch.manual_seed(cfg.seed)
     model = instantiate(cfg.model).to(device)
-    optimizer = optimizer_factory(cfg.optimizer)(model.parameters())
+    optimizer = build_optimizer(cfg.optimizer, model)  # the recipe's parameter groups, as nanoGPT builds its own
+    clip = cfg.trainer.grad_clip_norm
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(cfg.trainer.precision))
     scaler = torch.amp.GradScaler(device.type, enabled=dtype is torch.float16)
-
-    steps = min(len(loader), cfg.trainer.limit_train_batches or len(loader))
     ema = cfg.callbacks.get("ema")
     if ema:
         params = [param for param in model.parameters() if param.requires_grad]
@@ -181,6 +215,9 @@ def handwritten_epoch(cfg, device: torch.device, dict_batches: bool = False):
                 loss = F.cross_entropy(outputs.flatten(0, -2), targets.flatten())
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
+            if clip:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             scaler.step(optimizer)
             scaler.update()
             if ema:

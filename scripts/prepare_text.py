@@ -208,6 +208,14 @@ def prepare(source: Path, out: Path, args) -> str:
     return f"{out}: {count:,} tokens ({num_train:,} train), vocab_size {tokenizer.size}, {np.dtype(dtype).name}"
 
 
+def prepare_default(out: Path) -> str:
+    """The bundled plays at char level into `out` (benchmark.py's token files), unless they are there already."""
+    from hydraloop.data.text import corpus_path
+
+    args = argparse.Namespace(tokenizer="char", vocab_size=None, val_fraction=0.1, overwrite=False)
+    return prepare(corpus_path(None), out, args)
+
+
 def replace_files(new: Path, out: Path) -> None:
     """A prepared folder's files replaced by those in `new`, meta.json last: it goes first, so a folder caught half
     way is no prepared folder (data=tokens refuses it) rather than one whose meta.json describes other files. Files
