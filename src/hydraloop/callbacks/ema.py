@@ -4,8 +4,8 @@ are `val/<name>/<metric>` (val/ema/acc), and `ckpt_weights=<name>` evaluates or 
 
 After every `every_n_steps`-th optimizer step, each trainable parameter's average moves towards it:
 `average = decay_k * average + (1 - decay_k) * weight`, where `decay_k` is `decay`, or with `warmup` the smaller
-`(1 + k) / (10 + k)` for the k-th update (TensorFlow's ExponentialMovingAverage with num_updates, timm's ModelEma
-warm-up): early averages do not drag the random initial weights along for thousands of steps. Buffers (batch norm's
+`(1 + k) / (10 + k)` for the k-th update (k from 0; TensorFlow's ExponentialMovingAverage with num_updates): early
+averages do not drag the random initial weights along for thousands of steps. Buffers (batch norm's
 running statistics) are not averaged: the averaged weights are validated and saved with the model's own.
 
 Each rank averages the parameters it holds: all of them under single and DDP (where every rank's are equal), its
@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 
 class EMA(Callback):
+    """The average of the trainable weights (see the module docstring)."""
+
     def __init__(self, decay: float = 0.999, warmup: bool = True, every_n_steps: int = 1) -> None:
         require(isinstance(decay, float | int) and 0 < decay < 1, f".decay={decay}: must be in (0, 1)")
         require(isinstance(every_n_steps, int) and every_n_steps >= 1, f".every_n_steps={every_n_steps}: must be >= 1")
