@@ -129,6 +129,8 @@ class Trainer:
                 callback.load_state_dict(self, states[name])
             else:
                 log.info("callbacks.%s: the checkpoint holds no state of it; it starts from the loaded weights", name)
+        for name in states.keys() - self.callbacks.keys():
+            log.info("callbacks.%s: the checkpoint holds its state, and this run has no such callback: dropped", name)
 
     def finished(self, state: TrainState) -> bool:
         if state.stopped_early:
