@@ -56,6 +56,19 @@ def test_eval_best_adds_the_best_checkpoints_metrics(train_in_process):
     assert metrics["val/mse"] == values[-1] != metrics["best/val/mse"]  # the last weights are not the best
 
 
+def test_a_stop_at_a_validation_mid_epoch_ends_the_run_with_its_records(train_in_process):
+    """Validation every 2 steps of 11-step epochs: the stop falls mid-epoch, where the loop has no epoch's metrics."""
+    metrics, run_dir = train_in_process(
+        *OVERFITTING, "trainer.val_every_n_steps=2", "trainer.early_stopping.min_delta=1e9", "trainer.eval_best=true",
+        "logger=csv",
+    )  # fmt: skip
+    values = validations(run_dir)
+    # The first validation sets the best; patience 3 more, none better by 1e9, end the run at step 8.
+    assert metrics["stopped_early"]["global_step"] == metrics["global_step"] == 2 * len(values) == 8
+    assert metrics["val/mse"] == values[-1] and metrics["best/val/mse"] == pytest.approx(values[0], rel=1e-12)
+    assert (run_dir / "metrics.json").is_file()
+
+
 @pytest.mark.slow
 def test_every_rank_stops_after_the_same_epoch(run_train):
     single = run_train(*OVERFITTING, "logger=none", "trainer.eval_best=true")

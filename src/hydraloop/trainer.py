@@ -116,8 +116,8 @@ class Trainer:
         self.progress, self.profiler = tqdm(disable=True), NullProfiler()  # fit() swaps in the writer's
         self.saved_at = -1  # the global step of this run's latest checkpoint
         self.rerun_starts_from = rerun_starts_from
-        self.validated = validated or {}
-        self.validated_at = -1  # the global step of the latest validation (see fit for a resumed one)
+        self.validated = validated or {}  # the latest validation's metrics...
+        self.validated_at = -1  # ...and its global step (see fit for a resumed checkpoint's)
         self.callbacks = callbacks or {}
         for callback in self.callbacks.values():
             callback.setup(self)
@@ -145,9 +145,8 @@ class Trainer:
         step, or the epoch end) and raises Interrupted.
         """
         start, start_step = time.perf_counter(), state.global_step
-        val_metrics = None
         if self.validated:  # a checkpoint of a validated step: validating it again would log its metrics twice
-            self.validated_at, val_metrics = state.global_step, self.validated
+            self.validated_at = state.global_step
         self.val_loader = val_loader
         total_steps = planned_steps(self.max_steps, self.max_epochs, state, train_loader.sampler)
         with (
@@ -163,14 +162,15 @@ class Trainer:
                     break
                 state.next_epoch()
                 epoch_loss = {"train/epoch_loss": state.train_loss} if state.train_loss is not None else {}
-                val_metrics = self.validate_and_save(state, epoch_loss)
+                self.validate_and_save(state, epoch_loss)
                 if self.stop_signum:
                     self._stop(f"after epoch {state.epoch}")
             if self.validated_at != state.global_step:  # ended mid-epoch, or resumed with nothing left to train
                 trained = state.global_step > start_step
-                val_metrics = self.validate_and_save(state, save=trained and self.saved_at != state.global_step)
+                self.validate_and_save(state, save=trained and self.saved_at != state.global_step)
         wall_time_s = time.perf_counter() - start
-        return {**self._summary(val_metrics, state), "train/loss": state.train_loss, "wall_time_s": wall_time_s}
+        # The latest validation's: also one every N steps that early stopping ended the run at, mid-epoch.
+        return {**self._summary(self.validated, state), "train/loss": state.train_loss, "wall_time_s": wall_time_s}
 
     def validate_and_save(self, state: TrainState, logged: dict | None = None, save: bool = True) -> dict[str, float]:
         """Validates, logs the metrics (with `logged`), and checkpoints: last.pt, and best.pt if the metric improved.
@@ -189,7 +189,7 @@ class Trainer:
         if is_best:
             state.best_metric = metric
         self.early_stopping.update(state, metric)
-        self.validated_at = state.global_step
+        self.validated_at, self.validated = state.global_step, val_metrics
         if save:
             self.save_checkpoint(state, val_metrics, is_best=is_best)
         return val_metrics
