@@ -49,10 +49,11 @@ def sources(source: Path) -> list[Path]:
     return files
 
 
-def line_batches(files: list[Path], progress: tqdm | None = None) -> Iterator[list[str]]:
-    """The sources' text in batches of whole lines (a BPE never sees a word cut in two), about BATCH_BYTES each."""
+def line_batches(files: list[Path], progress: tqdm | None = None, binary: bool = False) -> Iterator[list]:
+    """The sources in batches of whole lines (a BPE never sees a word cut in two), about BATCH_BYTES each: text, or
+    with `binary` the bytes as they are (--tokenizer byte reads any file)."""
     for file in files:
-        with file.open(encoding="utf-8", newline="") as lines:
+        with file.open("rb") if binary else file.open(encoding="utf-8", newline="") as lines:
             batch, size = [], 0
             try:
                 for line in lines:
@@ -78,6 +79,7 @@ class Tokenizer:
 
     def __init__(self, spec: str, files: list[Path], vocab_size: int | None, out_tmp: Path) -> None:
         self.kind = spec if spec in ("char", "byte", "bpe") else "huggingface"
+        self.binary = self.kind == "byte"
         if self.kind != "bpe" and vocab_size is not None:
             raise ConfigError(f"--vocab-size {vocab_size}: only for --tokenizer bpe (the others fix their own)")
         self.vocab = None
@@ -125,22 +127,45 @@ class Tokenizer:
         tokenizer.train_from_iterator(("".join(batch) for batch in line_batches(files)), trainer=trainer)
         return tokenizer
 
-    def encode(self, batch: list[str]) -> np.ndarray:
-        text = "".join(batch)
+    def encode(self, batch: list) -> np.ndarray:
         if self.kind in ("char", "byte"):
-            return encode(text, self.vocab).numpy()
+            return encode((b"" if self.binary else "").join(batch), self.vocab).numpy()
         # Lines encoded as one text would differ at nothing but speed: each line is a batch item, in parallel.
         return np.fromiter((i for e in self.hf.encode_batch(batch) for i in e.ids), dtype=np.int64)
 
 
 def fingerprint(files: list[Path], args) -> dict:
     """What makes OUT what it is: the sources as found, and the settings."""
+    stamp = lambda path: [str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns]  # noqa: E731
+    tokenizer = Path(args.tokenizer)
+    tokenizer = tokenizer / "tokenizer.json" if tokenizer.is_dir() else tokenizer
     return {
-        "sources": [[str(file.resolve()), file.stat().st_size, file.stat().st_mtime_ns] for file in files],
-        "tokenizer": args.tokenizer,
+        "sources": [stamp(file) for file in files],
+        # A tokenizer file that changed makes other ids: its size and time are part of what OUT was made from.
+        "tokenizer": stamp(tokenizer) if tokenizer.is_file() else args.tokenizer,
         "vocab_size": args.vocab_size,
         "val_fraction": args.val_fraction,
     }
+
+
+def made_from_of(out: Path) -> dict | None:
+    try:
+        meta = json.loads((out / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return meta.get("made_from") if isinstance(meta, dict) else None
+
+
+def is_complete(out: Path, made_from: dict) -> bool:
+    """OUT was made from `made_from`, and its token files are all there, as long as meta.json says."""
+    try:
+        meta = json.loads((out / "meta.json").read_text())
+        dtype = np.dtype(meta["dtype"])
+        sizes = {split: (out / f"{split}.bin").stat().st_size for split in ("train", "val")}
+        counted = {split: meta["tokens"][split] * dtype.itemsize for split in ("train", "val")}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+    return meta.get("made_from") == made_from and sizes == counted
 
 
 def prepare(source: Path, out: Path, args) -> str:
@@ -148,13 +173,9 @@ def prepare(source: Path, out: Path, args) -> str:
     made_from = fingerprint(files, args)
     meta_file = out / "meta.json"
     if meta_file.is_file():
-        try:
-            existing = json.loads(meta_file.read_text()).get("made_from")
-        except ValueError:
-            existing = None
-        if existing == made_from:
+        if is_complete(out, made_from):
             return f"{out}: up to date (the same sources and settings), left as it is"
-        if not args.overwrite:
+        if made_from_of(out) != made_from and not args.overwrite:  # the same, incomplete: made again
             raise ConfigError(f"OUT {out}: holds token files of other sources or settings; --overwrite replaces them")
     elif out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"OUT {out}: exists and is not a prepared folder (no meta.json); give an empty or new one")
@@ -174,7 +195,7 @@ def prepare(source: Path, out: Path, args) -> str:
                 total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", disable=not sys.stderr.isatty()
             ) as progress,
         ):
-            for batch in line_batches(files, progress):
+            for batch in line_batches(files, progress, binary=tokenizer.binary):
                 ids = tokenizer.encode(batch).astype(dtype)
                 all_tokens.write(ids.tobytes())
                 count += ids.size

@@ -63,6 +63,18 @@ def test_preparing_again_leaves_the_folder_and_another_corpus_is_refused(train_e
     assert {path.name: path.stat().st_mtime_ns for path in char_tokens.iterdir()} == before
 
 
+def test_byte_tokens_are_any_files_bytes_and_a_half_made_folder_is_made_again(train_env, tmp_path):
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes(b"caf\xe9 cr\xe8me\n" * 40)  # not UTF-8
+    out = tmp_path / "bytes"
+    assert prepare(latin1, out, "--tokenizer", "byte", env=train_env).returncode == 0
+    tokens = np.concatenate([np.fromfile(out / f"{split}.bin", np.uint16) for split in ("train", "val")])
+    assert tokens.tobytes() == np.frombuffer(latin1.read_bytes(), np.uint8).astype(np.uint16).tobytes()
+    (out / "val.bin").unlink()  # a folder left half made: the same command makes it again
+    again = prepare(latin1, out, "--tokenizer", "byte", env=train_env)
+    assert again.returncode == 0 and "up to date" not in again.stdout and (out / "val.bin").is_file()
+
+
 def test_random_windows_are_a_function_of_seed_epoch_and_index(char_tokens):
     meta = json.loads((char_tokens / "meta.json").read_text())
     file = TokenFile(char_tokens / "train.bin", meta["dtype"])
@@ -150,6 +162,10 @@ def spoiled(folder, tmp_path, how: str):
             file.write(b"\0")
     elif how == "ids past the vocabulary":
         (copy / "meta.json").write_text(json.dumps({**meta, "vocab_size": 10}))
+    elif how == "a list":
+        (copy / "meta.json").write_text("[]")
+    elif how == "a tokenizer name":
+        (copy / "meta.json").write_text(json.dumps({**meta, "tokenizer": "char"}))
     elif how == "other files":
         (copy / "meta.json").write_text(json.dumps({**meta, "tokens": {**meta["tokens"], "val": 5}}))
     return copy
@@ -161,6 +177,8 @@ SPOILED = [
     ("odd bytes", "train.bin has 754439 bytes, not a whole number of uint16 tokens"),
     ("ids past the vocabulary", "token id 35 at position 0 of train.bin is not below vocab_size=10 (meta.json)"),
     ("other files", "val.bin holds 41914 tokens, meta.json says 5"),
+    ("a list", "meta.json holds list, not an object of dtype, vocab_size, tokenizer"),
+    ("a tokenizer name", "meta.json has tokenizer='char'; must be an object with a kind"),
 ]
 
 
@@ -199,7 +217,7 @@ def test_a_bpe_corpus_trains_samples_with_its_tokenizer_and_refuses_another(run_
     again = prepare(text, bpe, "--tokenizer", "bpe", "--vocab-size", "300", "--overwrite", env=train_env)
     assert again.returncode == 0, again.stderr
     resumed = run_train(*GPT, "data=tokens", f"data.dataset.dir={bpe}", "data.block_size=16", f"ckpt_path={last}")
-    assert "was trained on tokens of another tokenizer" in bad_input_line(resumed)
+    assert "was trained on tokens of another bpe tokenizer than" in bad_input_line(resumed)
     refused = subprocess.run(sample, capture_output=True, text=True, env=train_env)
     assert refused.returncode == 2 and "is not the tokenizer it was trained with" in refused.stderr
 

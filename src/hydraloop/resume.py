@@ -92,10 +92,11 @@ def check_resumable(path: str | Path, cfg: Any) -> None:
     saved_tokenizer = checkpoint.get("config", {}).get("data", {}).get("tokenizer")
     tokenizer = OmegaConf.to_container(cfg.data, resolve=True).get("tokenizer")
     if saved_tokenizer is not None and tokenizer != saved_tokenizer:
+        kinds = (saved_tokenizer.get("kind"), (tokenizer or {}).get("kind"))
+        what = f"another {kinds[0]} tokenizer" if kinds[0] == kinds[1] else f"another tokenizer ({kinds[0]})"
         raise ConfigError(
-            f"{source}: was trained on tokens of another tokenizer ({saved_tokenizer.get('kind')}) than "
-            f"data.dataset.dir={cfg.data.dataset.get('dir')}'s ({(tokenizer or {}).get('kind')}): the token ids "
-            f"would mean other text{hint}"
+            f"{source}: was trained on tokens of {what} than data.dataset.dir={cfg.data.dataset.get('dir')}'s "
+            f"({kinds[1]}): the token ids would mean other text{hint}"
         )
     done, max_steps = checkpoint["global_step"], cfg.trainer.max_steps
     if cfg.mode == "train" and max_steps is not None and max_steps < done:

@@ -58,10 +58,16 @@ def _read_meta(folder: str, stamp: int) -> dict[str, Any]:
         meta = json.loads((Path(folder) / META).read_text())
     except (OSError, ValueError) as error:
         raise ConfigError(f"{where}: {META} is not readable JSON ({type(error).__name__})") from None
-    dtype, vocab_size = meta.get("dtype"), meta.get("vocab_size")
+    if not isinstance(meta, dict):
+        raise ConfigError(f"{where}: {META} holds {type(meta).__name__}, not an object of dtype, vocab_size, tokenizer")
+    dtype, vocab_size, tokenizer = meta.get("dtype"), meta.get("vocab_size"), meta.get("tokenizer")
+    if not isinstance(tokenizer, dict) or not isinstance(tokenizer.get("kind"), str):
+        raise ConfigError(f"{where}: {META} has tokenizer={tokenizer!r}; must be an object with a kind (char, ...)")
+    if not isinstance(meta.get("tokens", {}), dict):
+        raise ConfigError(f"{where}: {META} has tokens={meta['tokens']!r}; must be an object of train and val counts")
     if dtype not in DTYPES:
         raise ConfigError(f"{where}: {META} has dtype={dtype!r}; must be one of {', '.join(DTYPES)}")
-    if not isinstance(vocab_size, int) or not 0 < vocab_size <= np.iinfo(DTYPES[dtype]).max + 1:
+    if type(vocab_size) is not int or not 0 < vocab_size <= np.iinfo(DTYPES[dtype]).max + 1:
         raise ConfigError(f"{where}: {META} has vocab_size={vocab_size!r}, which {dtype} ids cannot number")
     itemsize = np.dtype(DTYPES[dtype]).itemsize
     for split in SPLITS:
