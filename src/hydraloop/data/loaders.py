@@ -100,10 +100,10 @@ class GlobalBatchSampler(Sampler[list]):
         return self.batches_from(self.start_sample)
 
     def __iter__(self) -> Iterator[list]:
-        # A tensor, or a range: 8 bytes a sample, or none, where a list would hold a Python int (~36 bytes) each.
+        # An array, or a range: 8 bytes a sample, or none, where a list would hold a Python int (~36 bytes) each.
         if self.shuffle:
             generator = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.num_samples, generator=generator)
+            order = torch.randperm(self.num_samples, generator=generator).numpy()  # the CPU tensor's memory
         else:
             order = range(self.num_samples)
         for start in range(self.start_sample, self.end, self.global_batch_size):
