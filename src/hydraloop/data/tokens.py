@@ -113,12 +113,10 @@ class TokenFile:
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_tokens": None}
 
-    def window(self, start: int, length: int) -> torch.Tensor:
-        return torch.from_numpy(self.tokens[start : start + length].astype(np.int64))
 
 
 class Windows(Dataset):
-    """Samples (x, y) of `block_size` tokens from a token file, y = x shifted by one, starting at `starts(index)`."""
+    """Samples (x, y) of `block_size` tokens from a token file, y = x shifted by one, starting at `start(key)`."""
 
     def __init__(self, file: TokenFile, block_size: int, vocab_size: int, where: str) -> None:
         self.file, self.block_size, self.vocab_size, self.where = file, block_size, vocab_size, where
@@ -128,15 +126,16 @@ class Windows(Dataset):
 
     def __getitem__(self, key: Any) -> tuple[torch.Tensor, torch.Tensor]:
         start = self.start(key)
-        window = self.file.window(start, self.block_size + 1)
+        ids = self.file.tokens[start : start + self.block_size + 1]
         # Every window is checked as it is read (the max of a few hundred ids): an id the launcher's sampled check
         # missed still ends the run in one line, naming where it is.
-        if int(window.max()) >= self.vocab_size:
-            offset = start + int(torch.nonzero(window >= self.vocab_size)[0])
+        if ids.max() >= self.vocab_size:
+            offset = start + int(np.flatnonzero(ids >= self.vocab_size)[0])
             raise ConfigError(
                 f"{self.where}: token id {int(self.file.tokens[offset])} at position {offset} of "
                 f"{self.file.path.name} is not below vocab_size={self.vocab_size}"
             )
+        window = torch.from_numpy(ids.astype(np.int64))
         return window[:-1], window[1:]
 
 
