@@ -14,9 +14,10 @@ val_fraction of the tokens is val, as data=text splits. Tokenizers:
 
 It streams: the sources are read a batch of lines at a time and written as they are encoded, so a corpus larger than
 memory works; bpe and Hugging Face tokenizers encode each batch on every core (the tokenizers library's threads). A
-progress bar counts the bytes read. The files are written beside OUT and renamed into place at the end; rerun with
-the same sources (sizes and modification times) and settings, it leaves OUT as it is. OUT holding another corpus's
-token files is refused, unless --overwrite (which replaces those files, and no others).
+progress bar counts what has been read (characters; bytes for --tokenizer byte), against the sources' size in bytes.
+The files are written beside OUT and renamed into place at the end; rerun with the same sources (sizes and
+modification times) and settings, it leaves OUT as it is. OUT holding another corpus's token files is refused,
+unless --overwrite (which replaces those files, and no others).
 """
 
 import argparse
