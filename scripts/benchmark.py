@@ -66,6 +66,7 @@ from prepare_text import prepare_default as prepare_tokens  # noqa: E402
 from hydraloop.config import register_configs  # noqa: E402
 from hydraloop.data.loaders import build_loaders  # noqa: E402
 from hydraloop.errors import ConfigError  # noqa: E402
+from hydraloop.parallel.single import resolve_device  # noqa: E402
 from hydraloop.storage import check_makeable  # noqa: E402
 
 # Both loops run in the process state src/train.py gives its own: what the imports made (torch._dynamo included,
@@ -225,8 +226,10 @@ def main() -> None:
     for flag, values in counts:
         if min(values) < 1:
             parser.error(f"{flag} {' '.join(map(str, values))}: must be at least 1")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: CUDA is not available on this machine")
+    try:
+        resolve_device(args.device)  # auto, cpu, cuda, cuda:N; and CUDA there
+    except ConfigError as error:
+        parser.error(str(error).replace("device=", "--device ", 1))
     try:
         check_makeable(args.out.parent, "--out")  # before the measurements, which take minutes
     except ConfigError as error:

@@ -32,7 +32,7 @@ from hydraloop.backends import configure_backends
 from hydraloop.callbacks import build_callbacks, reported_metrics
 from hydraloop.checkpoint import TrainState, load_checkpoint
 from hydraloop.checks import check_launch, check_required
-from hydraloop.command_line import check_command_line
+from hydraloop.command_line import check_command_line, resolved
 from hydraloop.config import register_configs
 from hydraloop.data.loaders import build_loaders
 from hydraloop.errors import (
@@ -269,7 +269,7 @@ def main(cfg: DictConfig) -> float:
     with exit_on_error(), held_until_accepted(cfg.output_dir) as records:
         check_required(cfg)  # before resolving, which would fail on a `???` with a traceback
         # Resolved here, where Hydra's resolvers work: worker processes get plain values and never touch Hydra.
-        composed, cfg = cfg, OmegaConf.create(OmegaConf.to_container(cfg, resolve=True), flags={"struct": True})
+        composed, cfg = cfg, resolved(cfg)
         export_submitit_rank_env()  # under hydra/launcher=slurm, this process may be one rank of a job
         take_machine_share()  # under hydra/launcher=joblib: this job's GPUs and cores, before CUDA is asked
         strategy = instantiate(cfg.parallel, device=cfg.device)

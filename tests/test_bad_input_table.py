@@ -26,6 +26,12 @@ ROWS = [
     (["trainer.max_epochs=[1"], "trainer.max_epochs=[1: Hydra cannot parse it"),
     (["optimizer.lr=0.1,abc"], "optimizer.lr=0.1,abc: a sweep; add -m"),
     (["hparams_search=mnist1d_optuna"], "hparams_search=mnist1d_optuna: a search runs its trials as a sweep: add -m"),
+    # Interpolations that do not resolve; a key of the schema removed; a sweep of no job.
+    (["optimizer.lr=${foo}"], "optimizer.lr: cannot resolve its value (Interpolation key 'foo' not found)"),
+    (["~trainer"], "~trainer: trainer is a key every run reads"),
+    (["-m", "seed=range(0,0)"], "seed=range(0,0): the sweep has no value"),
+    (["data=synthetic", "data.input_shape=[0]"], "data.input_shape=[0]: every size must be positive"),
+    (["parallel=ddp", "parallel.timeout_s=0"], "parallel.timeout_s=0.0: must be a positive number of seconds"),
     # Every job of a sweep, before the first runs.
     (["-m", "optimizer.lr=0.1,abc,0.01"], "optimizer.lr=abc: must be a positive finite number (in the sweep's job"),
     # A search space, direction or budget that Optuna or joblib would refuse.
@@ -122,10 +128,11 @@ def assert_refused_before_anything(run, expected: str, sweep_dir: Path) -> None:
 
 @pytest.mark.parametrize("overrides, expected", ROWS, ids=[" ".join(row[0]) for row in ROWS])
 def test_a_mistake_is_one_line_and_writes_nothing(run_train, tmp_path, made, overrides, expected):
-    sweep_dir = tmp_path / "sweep"
+    sweep_dir = tmp_path / "new" / "sweep"
     overrides, expected = substituted(overrides, made), substituted([expected], made)[0]
-    run = run_train(*overrides, f"hydra.sweep.dir={sweep_dir}", run_dir=tmp_path / "run")
+    run = run_train(*overrides, f"hydra.sweep.dir={sweep_dir}", run_dir=tmp_path / "new" / "run")
     assert_refused_before_anything(run, expected, sweep_dir)
+    assert not (tmp_path / "new").exists()  # nor the folders above it that Hydra made for it
 
 
 @pytest.mark.parametrize("arrays, expected", TENSOR_FILES)

@@ -29,6 +29,9 @@ def finished(run_train):
         (("mode=eval", "ckpt_path=CHECKPOINT"), "mode=eval: the run directory RUN_DIR holds a training run's records"),
         # Finished under another config: not "finished", not trained on either.
         (("model.dropout=0.5",), "model.dropout=0.5 (was 0.2): the run in RUN_DIR finished at step 44 under another"),
+        (("trainer.grad_clip_norm=0.01",), "trainer.grad_clip_norm=0.01 (was None): the run in RUN_DIR finished at"),
+        (("callbacks=[ema]",), "callbacks.ema._target_=hydraloop.callbacks.ema.EMA (was None), and callbacks.ema"),
+        (("optimized_metric=val/loss",), "optimized_metric=val/loss (was val/acc): the run in RUN_DIR finished at"),
     ],
 )
 def test_a_refusal_into_a_finished_runs_directory_changes_nothing(run_train, finished, overrides, expected):

@@ -118,6 +118,8 @@ def check_config(cfg: Any, world_size: int) -> None:
     require(cfg.seed >= 0, f"seed={cfg.seed}: must be non-negative")
     batch_size = cfg.data.batch_size
     require(batch_size > 0, f"data.batch_size={batch_size}: must be positive")
+    shape = list(cfg.data.input_shape)
+    require(all(size > 0 for size in shape), f"data.input_shape={shape}: every size must be positive")
     require(
         batch_size % world_size == 0,
         f"data.batch_size={batch_size}: not divisible by the world size {world_size} "

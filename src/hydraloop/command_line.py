@@ -11,6 +11,7 @@ accept and fail on later, is one line naming the key and the value (exit 2):
 Command lines with other Hydra flags (`--cfg`, `--config-dir`, `--info`, ...) are left to Hydra.
 """
 
+import dataclasses
 import difflib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,6 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 from hydraloop.arguments import OVERLAYS
 from hydraloop.checks import check_group_options, check_required
 from hydraloop.errors import ConfigError, first_line, require
+from hydraloop.run_records import note_new_parents
 from hydraloop.storage import check_makeable
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
@@ -53,6 +55,8 @@ def check_command_line(args: list[str], conf_dir: Path, check_job: Callable[[Any
     )
     with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
         jobs = _jobs(parsed, overrides) if multirun else [overrides]
+        require(jobs, f"{' '.join(sweeps)}: the sweep has no value, so no job to run")
+        _check_removed_keys(overrides)
         first = _composed(jobs[0])
         hydra = first.hydra
         search = hydra.runtime.choices.get("hparams_search")
@@ -65,6 +69,7 @@ def check_command_line(args: list[str], conf_dir: Path, check_job: Callable[[Any
         )
         folder_key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
         _check_output_folder(OmegaConf.select(first, folder_key), folder_key)
+        note_new_parents(OmegaConf.select(first, folder_key))
         if not multirun:
             return  # the launcher checks this one job itself
         _check_launcher(hydra)
@@ -79,6 +84,26 @@ def check_command_line(args: list[str], conf_dir: Path, check_job: Callable[[Any
                     raise
                 shown = " ".join(job) or "(no overrides)"
                 raise ConfigError(f"{error} (in the sweep's job {shown}; no job has run)") from None
+
+
+def _check_removed_keys(overrides: list[str]) -> None:
+    """`~trainer` or `~data.batch_size`: a key of the typed schema, which every run reads (hydraloop.config)."""
+    from hydraloop.config import DataConfig, TrainConfig, TrainerConfig
+
+    schema = {
+        "": [field.name for field in dataclasses.fields(TrainConfig)],
+        "trainer": [field.name for field in dataclasses.fields(TrainerConfig)],
+        "data": [field.name for field in dataclasses.fields(DataConfig)],
+    }
+    for item in overrides:
+        if not item.startswith("~"):
+            continue
+        key = item[1:].split("=")[0]
+        parent, _, name = key.rpartition(".")
+        require(
+            name not in schema.get(parent, ()),
+            f"{item}: {key} is a key every run reads (hydraloop.config); set its value instead of removing it",
+        )
 
 
 def _parsed(overrides: list[str]) -> list[Any]:
@@ -220,7 +245,17 @@ def _for_checks(cfg: Any) -> Any:
     node.pop("hydra", None)
     node["output_dir"], node["log_file"] = "/nonexistent", "/nonexistent/train.log"
     check_required(OmegaConf.create(node))
-    return OmegaConf.create(OmegaConf.to_container(OmegaConf.create(node), resolve=True), flags={"struct": True})
+    return resolved(OmegaConf.create(node))
+
+
+def resolved(cfg: Any) -> Any:
+    """`cfg` with every interpolation resolved, as a struct config; one that does not resolve (`${foo}`, an
+    `${oc.env:...}` of a variable that is not set) is one line naming its key."""
+    try:
+        return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True), flags={"struct": True})
+    except OmegaConfBaseException as error:
+        key = getattr(error, "full_key", None) or "the config"
+        raise ConfigError(f"{key}: cannot resolve its value ({first_line(error)})") from None
 
 
 def _check_output_folder(path: str, key: str) -> None:

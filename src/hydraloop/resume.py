@@ -169,11 +169,12 @@ def finished_records(path: str | Path, cfg: Any) -> dict[str, Any] | None:
 
 
 def _changed_keys(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """`key=now (was: saved)` for each key of what defines the trained model (data, model, task, optimizer,
-    scheduler, seed) whose value differs between a checkpoint's config and this run's."""
+    """`key=now (was: saved)` for each key of what defines the trained model and what is measured of it (data,
+    model, task, optimizer, scheduler, seed, trainer, callbacks, optimized_metric) whose value differs between a
+    checkpoint's config and this run's."""
     from hydraloop.loggers.base import flatten
 
-    parts = ("data", "model", "task", "optimizer", "scheduler", "seed")
+    parts = ("data", "model", "task", "optimizer", "scheduler", "seed", "trainer", "callbacks", "optimized_metric")
     before, after = ({k: v for k, v in flatten(c).items() if k.split(".")[0] in parts} for c in (saved, now))
     return [
         f"{key}={after.get(key)} (was {before.get(key)})"

@@ -18,6 +18,14 @@ from omegaconf import OmegaConf
 from hydraloop.storage import write_atomic
 
 HYDRA_SUBDIR = ".hydra"
+# The folders above the run (or sweep) directory that did not exist before Hydra made it, deepest first: a refused
+# run removes them too, where empty (outputs/<date>/ of a first run of the day, say).
+_new_parents: list[Path] = []
+
+
+def note_new_parents(folder: str | Path) -> None:
+    """Called before Hydra makes `folder`: which of its parents it will make."""
+    _new_parents[:] = [parent for parent in Path(folder).absolute().parents if not parent.exists()]
 
 
 class _Held(logging.Filter):
@@ -69,8 +77,9 @@ class HeldRecords:
             handler.removeFilter(held)
             logging.getLogger().removeHandler(handler)
             handler.close()  # a delayed FileHandler that never wrote has made no file
-        with suppress(OSError):
-            self.run_dir.rmdir()  # only if empty
+        for folder in (self.run_dir, *_new_parents):
+            with suppress(OSError):
+                folder.rmdir()  # only if empty
 
 
 @contextmanager

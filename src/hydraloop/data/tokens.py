@@ -114,7 +114,6 @@ class TokenFile:
         return {**self.__dict__, "_tokens": None}
 
 
-
 class Windows(Dataset):
     """Samples (x, y) of `block_size` tokens from a token file, y = x shifted by one, starting at `start(key)`."""
 

@@ -66,6 +66,9 @@ class DDPStrategy(SingleDevice):
         )
         if max_restarts < 0:
             raise ConfigError(f"parallel.max_restarts={max_restarts}: must be 0 or more")
+        for key, seconds in (("timeout_s", timeout_s), ("shutdown_timeout_s", shutdown_timeout_s)):
+            if not seconds > 0:
+                raise ConfigError(f"parallel.{key}={seconds}: must be a positive number of seconds")
         self.max_restarts = max_restarts
         self.shutdown_timeout_s = shutdown_timeout_s
         given = [key for key in LAUNCHER_ENV if key in os.environ]
