@@ -48,7 +48,7 @@ from hydraloop.errors import (
     unwrap_instantiation,
 )
 from hydraloop.loggers import JobInfo, build_logger
-from hydraloop.optim import build_optimizer
+from hydraloop.optim import build_optimizers, part_modules
 from hydraloop.parallel.cluster import export_submitit_rank_env
 from hydraloop.parallel.single import SingleDevice
 from hydraloop.parallel.sweep_share import take_machine_share
@@ -70,7 +70,7 @@ from hydraloop.run_lock import owned_run_directory
 from hydraloop.run_records import held_until_accepted, holds_training_run
 from hydraloop.run_writer import NullRunWriter, RunWriter
 from hydraloop.seeding import seed_everything
-from hydraloop.trainer import Trainer, planned_steps
+from hydraloop.trainer import Trainer, planned_steps, schedule_plan
 
 gc.freeze()
 gc.enable()
@@ -160,8 +160,8 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice, job: JobInfo) -> dict
         model = model.to(memory_format=torch.channels_last)
     if cfg.trainer.compile:
         model.compile()  # in place: no wrapper, so checkpoint keys stay those of the plain model
-    model = strategy.wrap(model)
-    optimizer = build_optimizer(cfg.optimizer, strategy.unwrap(model))
+    model = strategy.wrap(model, part_modules(cfg.optimizer))
+    optimizers = build_optimizers(cfg.optimizer, strategy.unwrap(model))
     # Per rank, per start: a restarted rank finds the latest checkpoint. Training loads all of it, evaluation the
     # weights; the state comes first, as the schedule plans the run's steps from where it stands.
     ckpt_path = checkpoint_to_resume(cfg)
@@ -170,11 +170,16 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice, job: JobInfo) -> dict
     state = train_state(checkpoint, cfg, own) if checkpoint else TrainState()
     sampler = train_loader.sampler
     total_steps = planned_steps(cfg.trainer.max_steps, cfg.trainer.max_epochs, state, sampler)
-    log.info("%d optimizer steps per epoch, %d in all (the schedule's plan)", sampler.steps_per_epoch, total_steps)
-    scheduler = instantiate(cfg.scheduler)(optimizer, total_steps=total_steps, steps_per_epoch=sampler.steps_per_epoch)
+    log.info("%d optimizer steps per epoch, %d in all", sampler.steps_per_epoch, total_steps)
+    schedule_step, schedule_steps = schedule_plan(cfg.trainer.max_steps, cfg.trainer.max_epochs, state, sampler)
+    schedule = instantiate(cfg.scheduler)  # each optimizer follows it, with a scheduler of its own
+    schedulers = {
+        name: schedule(optimizer, total_steps=schedule_steps, steps_per_epoch=sampler.steps_per_epoch)
+        for name, optimizer in optimizers.items()
+    }
     precision = Precision(cfg.trainer.precision, strategy.device)
     if checkpoint:
-        restore(checkpoint, strategy, model, optimizer, scheduler, precision)
+        restore(checkpoint, strategy, model, optimizers, schedulers, precision, schedule_step)
     elif ckpt_path:
         state = load_weights(ckpt_path, strategy, model, cfg.ckpt_weights)
     if ckpt_path:
@@ -206,8 +211,8 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice, job: JobInfo) -> dict
         task,
         cfg.trainer,
         model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
+        optimizers=optimizers,
+        schedulers=schedulers,
         throughput=throughput,
         seed=cfg.seed,
         optimized_metric=cfg.optimized_metric,

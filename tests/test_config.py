@@ -11,7 +11,7 @@ from torch.utils.data import TensorDataset
 from conftest import REPO, compose_train
 from hydraloop.arguments import check_arguments, check_model, check_optimization
 from hydraloop.data.loaders import ShardSampler, build_loaders
-from hydraloop.optim import optimizer_factory
+from hydraloop.optim import config_key, optimizer_factory, optimizer_nodes
 from hydraloop.seeding import epoch_seed
 
 PARALLEL = ("single", "dataparallel", "ddp")
@@ -46,6 +46,7 @@ NEEDS = {  # the values an option requires (???), or the data it is meant for
     "data=tokens": ["data.dataset.dir=TOKENS", "model=gpt", "task=language_model"],
     "experiment=nanogpt_shakespeare_char_cpu": ["data.dataset.dir=TOKENS"],
     "experiment=gpt2_124m": ["data.dataset.dir=TOKENS"],
+    "task=adversarial_ring": ["data=ring", "model=gan", "optimizer=gan"],
 }
 
 
@@ -58,7 +59,8 @@ def test_every_shipped_option_passes_the_launchers_checks_of_keys_and_values(opt
     cfg = OmegaConf.create(OmegaConf.to_container(compose_train(option, *needs), resolve=True))
     check_arguments(cfg)
     check_model(cfg.model)
-    check_optimization(cfg.optimizer, cfg.scheduler)
+    for name, node in optimizer_nodes(cfg.optimizer).items():
+        check_optimization(node, cfg.scheduler, key=config_key(name))
 
 
 @pytest.mark.parametrize("data, model", list(itertools.product(DATA, MODELS)))

@@ -61,7 +61,7 @@ def test_resume_loads_through_the_cpu_and_keeps_step_counters_there(train_in_pro
     scheduler = constant(optimizer, total_steps=100, steps_per_epoch=10)
     checkpoint = load_checkpoint(path)
     state = train_state(checkpoint, config, own=True)
-    restore(checkpoint, strategy, model, optimizer, scheduler, Precision("32", torch.device("cpu")))
+    restore(checkpoint, strategy, model, {"": optimizer}, {"": scheduler}, Precision("32", torch.device("cpu")))
     assert state.epoch == 1 and state.global_step == 22
     per_parameter = list(optimizer.state.values())
     assert len(per_parameter) == len(list(model.parameters()))
@@ -85,8 +85,8 @@ def test_a_checkpoint_holds_cpu_tensors_whatever_device_trained():
         assert {tensor.device.type for tensor in model_state.values()} == {"cuda"}
         saved = checkpoint_state(
             model_state,
-            optimizer_state,
-            constant(optimizer, total_steps=1, steps_per_epoch=1),
+            {"": optimizer_state},
+            {"": constant(optimizer, total_steps=1, steps_per_epoch=1)},
             Precision("32", torch.device("cpu")),
             TrainState(),
             {},

@@ -16,6 +16,9 @@ EXPERIMENTS = sorted(path.stem for path in (REPO / "conf" / "experiment").glob("
 # files, whose corpora are not shipped (test_tokens.py runs their first steps on the bundled plays and random ids).
 ELSEWHERE = {"imagenet_resnet50", "nanogpt_shakespeare_char_cpu", "gpt2_124m"}
 RUNNABLE = [name for name in EXPERIMENTS if name not in ELSEWHERE]
+# A GAN's end state is chaotic in round-off (another CPU, another thread count: another set of modes), so its figure
+# is measured, not held to; test_several_optimizers.py runs its steps under every strategy against single.
+MEASURED_ONLY = {"ring_gan"}
 
 
 def test_the_recorded_recipes_are_there():
@@ -82,7 +85,7 @@ def recorded_figure(name: str) -> tuple[str, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", RUNNABLE)
+@pytest.mark.parametrize("name", [name for name in RUNNABLE if name not in MEASURED_ONLY])
 def test_recipe_reaches_its_recorded_figure(run_train, image_folder, name):
     """The whole recipe, as documented. CPU round-off differs with the thread count: allow 0.02 (3% of a loss)."""
     metric, expected = recorded_figure(name)

@@ -90,5 +90,5 @@ def test_a_submodule_called_module_is_not_taken_for_a_wrapper():
     model = strategy.wrap(Outer())
     optimizer = build_optimizer(compose_train().optimizer, strategy.unwrap(model))
     assert sum(len(group["params"]) for group in optimizer.param_groups) == 4
-    model_state, _ = strategy.state_dicts(model, optimizer)()
+    model_state, _ = strategy.state_dicts(model, {"": optimizer})()
     assert set(model_state) == {"module.weight", "module.bias", "head.weight", "head.bias"}

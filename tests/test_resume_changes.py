@@ -35,6 +35,15 @@ def test_a_mid_epoch_resume_under_another_batch_size_continues_at_the_sample_it_
     assert metrics["global_step"] == 30 + (1438 - 480) // 64  # the rest of epoch 1, in batches of 64
 
 
+def test_a_schedule_in_epochs_keeps_to_its_epochs_after_a_resume_under_another_batch_size(train_in_process):
+    decay = ("scheduler=step", "scheduler.step_epochs=1", "logger=csv", "trainer.log_every_n_steps=1")
+    _, run_dir = train_in_process(*decay, "data.batch_size=32", "trainer.max_epochs=1")  # 44 steps
+    train_in_process(*decay, "data.batch_size=64", "trainer.max_epochs=3", run_dir=run_dir)  # 22 steps an epoch
+    lr = {int(row["step"]): float(row["train/lr"]) for row in csv.DictReader((run_dir / "metrics.csv").open())}
+    # The lr logged at a step is the next step's: epoch 2 (steps 45-66) trains at a tenth, epoch 3 at a hundredth.
+    assert (lr[43], lr[44], lr[65], lr[66], lr[87]) == pytest.approx((3e-3, 3e-4, 3e-4, 3e-5, 3e-5))
+
+
 def test_a_resume_past_a_lowered_limit_ends_that_epoch_and_trains_the_next(train_in_process):
     _, run_dir = train_in_process("trainer.limit_train_batches=20", "trainer.max_steps=15", "logger=none")
     metrics, _ = train_in_process(

@@ -17,7 +17,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from hydraloop.errors import ConfigError, first_line, require, unwrap_instantiation
-from hydraloop.optim import GROUPING_KEYS, optimizer_factory
+from hydraloop.optim import GROUPING_KEYS, config_key, optimizer_factory, optimizer_nodes
 
 OVERLAYS = ("experiment", "hparams_search", "debug")  # `# @package _global_` groups: they set keys anywhere
 
@@ -31,7 +31,8 @@ def check_arguments(cfg: Any) -> None:
     its annotation says (a list where it takes a sequence, an integer where it takes an int, ...). Keys are free-form
     there (`+optimizer.weight_deacy=0.1` adds one), and a misspelt key, or `model.hidden_sizes=256` for a list, would
     otherwise fail in every rank, as a traceback from inside Hydra or the constructor."""
-    for path in (*INSTANTIATED, *_named_option_paths(cfg)):
+    several = [config_key(name) for name in optimizer_nodes(cfg.optimizer) if name]
+    for path in (*INSTANTIATED, *several, *_named_option_paths(cfg)):
         node = OmegaConf.select(cfg, path)
         if not OmegaConf.is_dict(node) or "_target_" not in node:
             continue
@@ -45,7 +46,9 @@ def check_arguments(cfg: Any) -> None:
         for key in node:
             if key.startswith("_") and key.endswith("_"):  # _partial_, _recursive_, ...
                 continue
-            if path == "optimizer" and key in GROUPING_KEYS:  # hydraloop's, not the optimizer's (hydraloop.optim)
+            if (
+                path.split(".")[0] == "optimizer" and key in GROUPING_KEYS
+            ):  # hydraloop's, not the optimizer's (hydraloop.optim)
                 continue
             value = OmegaConf.select(node, key)
             if key not in parameters and not takes_any:
@@ -168,7 +171,7 @@ def check_model(model: Any) -> None:
         raise_refusal("model", model, unwrap_instantiation(error))
 
 
-def check_optimization(optimizer: Any, scheduler: Any, max_steps: int | None = None) -> None:
+def check_optimization(optimizer: Any, scheduler: Any, max_steps: int | None = None, key: str = "optimizer") -> None:
     """The optimizer's and the scheduler's checks of their values (torch.optim's `Invalid beta parameter at index 1:
     1.5`), before any rank starts: their constructors, given one CPU parameter. Only bad input is reported, as for
     the model: what else an optimizer cannot do with a CPU parameter (a fused kernel that is GPU-only), the ranks meet
@@ -177,7 +180,7 @@ def check_optimization(optimizer: Any, scheduler: Any, max_steps: int | None = N
     try:
         built = optimizer_factory(optimizer)([torch.zeros(1, requires_grad=True)])
     except Exception as error:  # noqa: BLE001  see above
-        raise_refusal("optimizer", optimizer, unwrap_instantiation(error))
+        raise_refusal(key, optimizer, unwrap_instantiation(error))
         return
     try:
         instantiate(scheduler)(built, total_steps=max_steps or 2**62, steps_per_epoch=1)

@@ -1,12 +1,12 @@
 """Checkpoints: one dict of CPU tensors, loadable with torch.load(weights_only=True) on any machine, written
 atomically.
 
-Keys: model (state_dict of the unwrapped model), optimizer, scheduler, the fields of TrainState (epoch: completed
-epochs, global_step, best_metric, ..., and epoch_samples, epoch_step, epoch_loss_sum, ...: progress into an
-unfinished epoch), grad_scaler (fp16 loss scale), metrics (the validation metrics when saved; empty mid-epoch), rng
-(torch, cuda: the saving rank's own GPU's or None, numpy, python), config (resolved) and callbacks (each
-callback's state, by name: hydraloop.callbacks). What a resume takes of one
-is hydraloop.resume's.
+Keys: model (state_dict of the unwrapped model), optimizer and scheduler (several optimizers' by name: `by_name`),
+the fields of TrainState (epoch: completed epochs, global_step, best_metric, ..., and epoch_samples, epoch_step,
+epoch_loss_sum, ...: progress into an unfinished epoch), grad_scaler (fp16 loss scale), metrics (the validation
+metrics when saved; empty mid-epoch), rng (torch, cuda: the saving rank's own GPU's or None, numpy, python), config
+(resolved) and callbacks (each callback's state, by name: hydraloop.callbacks). What a resume takes of one is
+hydraloop.resume's.
 """
 
 import logging
@@ -127,8 +127,8 @@ def load_checkpoint(path: str | Path, source: str | None = None) -> dict[str, An
 
 def checkpoint_state(
     model_state: dict[str, Any],
-    optimizer_state: dict[str, Any],
-    scheduler: LambdaLR,
+    optimizer_states: dict[str, dict[str, Any]],
+    schedulers: dict[str, LambdaLR],
     precision: Precision,
     state: TrainState,
     metrics: dict[str, float],
@@ -141,8 +141,8 @@ def checkpoint_state(
     CPU so that a machine without this GPU (or without any) can open the file."""
     return {
         "model": on_cpu(model_state),
-        "optimizer": on_cpu(optimizer_state),
-        "scheduler": scheduler.state_dict(),
+        "optimizer": by_name(on_cpu(optimizer_states)),
+        "scheduler": by_name({name: scheduler.state_dict() for name, scheduler in schedulers.items()}),
         **asdict(state),
         "grad_scaler": precision.state_dict(),
         "metrics": metrics,
@@ -150,6 +150,17 @@ def checkpoint_state(
         "config": config,
         "callbacks": on_cpu(callbacks or {}),
     }
+
+
+def by_name(states: dict[str, Any]) -> Any:
+    """How a checkpoint holds a state per optimizer: one optimizer's (named "") as it is, a plain optimizer's
+    state_dict; several by name."""
+    return states[""] if list(states) == [""] else states
+
+
+def of_each(saved: Any, names: list[str]) -> dict[str, Any]:
+    """`by_name`'s inverse, for the optimizers `names`: a checkpoint's state per optimizer, by name."""
+    return {"": saved} if names == [""] else {name: saved[name] for name in names}
 
 
 def on_cpu(tree: Any) -> Any:

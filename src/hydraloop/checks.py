@@ -7,6 +7,7 @@ and the command line's group options; `check_launch` runs them all, with the che
 import contextlib
 import dataclasses
 import difflib
+import inspect
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +26,7 @@ from hydraloop.arguments import check_arguments, check_model, check_optimization
 from hydraloop.batches import check_leaves, count_rows, map_tensors
 from hydraloop.callbacks import build_callbacks, reported_metrics
 from hydraloop.errors import ConfigError, require, unwrap_instantiation
-from hydraloop.optim import check_parameter_groups
+from hydraloop.optim import check_optimizers, config_key, optimizer_nodes
 
 PRECISIONS = ("32", "bf16", "fp16")
 
@@ -47,8 +48,9 @@ def check_launch(cfg: Any, strategy: Any) -> Any:
     check_model(cfg.model)
     if cfg.mode == "train":
         with torch.device("meta"):
-            check_parameter_groups(cfg.optimizer, instantiate(cfg.model))
-    check_optimization(cfg.optimizer, cfg.scheduler, cfg.trainer.max_steps)
+            check_optimizers(cfg.optimizer, instantiate(cfg.model))
+    for name, node in optimizer_nodes(cfg.optimizer).items():
+        check_optimization(node, cfg.scheduler, cfg.trainer.max_steps, config_key(name))
     if cfg.mode == "predict":  # the file fits the model, and gives every rank an input
         inputs = load_inputs(cfg.data.predict_path, cfg.data.input_shape, tokens=task.tokens_per_sample is not None)
         require(
@@ -82,8 +84,10 @@ def _check_batch(cfg: Any, task: Any, batch: Any, where: str) -> None:
     check_leaves(batch, where)
     with torch.device("meta"):
         model = instantiate(cfg.model)
+    names = [name for name in optimizer_nodes(cfg.optimizer) if name]
+    several = {"optimizer": names[0]} if names else {}  # the first optimizer's loss
     try:
-        task.training_loss(model, map_tensors(lambda tensor: tensor.to("meta"), batch))
+        task.training_loss(model, map_tensors(lambda tensor: tensor.to("meta"), batch), **several)
     except ConfigError as error:
         raise ConfigError(f"model._target_={cfg.model._target_} on {where}: {error}") from None
     except Exception:  # noqa: BLE001, S110  an operation the meta device lacks: the ranks meet it for real
@@ -174,11 +178,12 @@ def check_config(cfg: Any, world_size: int) -> None:
         require(limit is None or limit > 0, f"trainer.{key}={limit}: must be positive, or null for no limit")
     clip = cfg.trainer.grad_clip_norm
     require(clip is None or clip > 0, f"trainer.grad_clip_norm={clip}: must be positive, or null for no clipping")
-    lr = cfg.optimizer.get("lr")
-    require(
-        isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0 < lr < math.inf,
-        f"optimizer.lr={lr}: must be a positive finite number",
-    )
+    for name, node in optimizer_nodes(cfg.optimizer).items():
+        lr = node.get("lr") if OmegaConf.is_dict(node) else None
+        require(
+            isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0 < lr < math.inf,
+            f"{config_key(name)}.lr={lr}: must be a positive finite number",
+        )
     mode = cfg.optimized_metric_mode
     require(mode in ("max", "min"), f"optimized_metric_mode={mode}: must be max or min")
     _check_folds(cfg.data)
@@ -223,6 +228,13 @@ def _check_folds(data: Any) -> None:
 def check_task(cfg: Any, task: Any, callbacks: dict) -> None:
     """The task fits the data and model, and it or a callback reports `optimized_metric`."""
     task.check(cfg)
+    names = [name for name in optimizer_nodes(cfg.optimizer) if name]
+    require(
+        not names or "optimizer" in inspect.signature(task.training_loss).parameters,
+        f"optimizer: {' and '.join(f'optimizer.{name}' for name in names)} each need a loss of their own, and "
+        f"task._target_={cfg.task._target_} has one: its training_loss takes no optimizer argument (README: Several "
+        "optimizers)",
+    )
     metric, reported = cfg.optimized_metric, reported_metrics(task.reported_metrics(), callbacks)
     require(metric in reported, f"optimized_metric={metric}: the task reports {', '.join(reported)}")
 

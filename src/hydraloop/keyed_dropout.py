@@ -71,12 +71,13 @@ class RowKeys:
         self.step_key = torch.zeros((), dtype=torch.int64, device=device)
         self.local_rows = self.global_rows = torch.empty(0, dtype=torch.int64, device=device)
 
-    def __call__(self, step: int, first_row: int, rows: int):  # -> context manager
+    def __call__(self, step: int, first_row: int, rows: int, pass_index: int = 0):  # -> context manager
+        """`pass_index`: with several optimizers, the pass of the step (each draws masks of its own)."""
         if len(self.local_rows) != rows:
             self.local_rows = torch.arange(rows, dtype=torch.int64, device=self.device)
             self.global_rows = torch.empty_like(self.local_rows)
         # No host-to-device copy: a fill and a multiply-add with Python numbers as kernel arguments.
-        self.step_key.fill_(_mix_int(self.seed_key + step))
+        self.step_key.fill_(_mix_int(self.seed_key + step + (pass_index << 40)))
         torch.add(self.local_rows * self.world_size, self.rank + self.world_size * first_row, out=self.global_rows)
         return rows_of(self.global_rows, self.step_key)
 

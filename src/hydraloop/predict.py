@@ -26,6 +26,7 @@ from hydraloop.batches import check_leaves, count_rows, map_tensors, to_device
 from hydraloop.data.loaders import ShardSampler
 from hydraloop.data.tensors import read_arrays
 from hydraloop.errors import ConfigError
+from hydraloop.optim import part_modules
 from hydraloop.parallel.single import SingleDevice
 from hydraloop.precision import Precision
 from hydraloop.resume import load_weights
@@ -76,7 +77,7 @@ def predict(cfg: Any, strategy: SingleDevice, task: Task) -> dict[str, Any]:
         raise ConfigError(
             f"data.predict_path={cfg.data.predict_path}: fewer inputs than the {strategy.world_size} ranks"
         )
-    model = strategy.wrap(instantiate(cfg.model))
+    model = strategy.wrap(instantiate(cfg.model), part_modules(cfg.optimizer))  # as training wrapped it
     precision = Precision(cfg.trainer.precision, strategy.device)
     state = load_weights(cfg.ckpt_path, strategy, model, cfg.ckpt_weights)
     module = strategy.eval_module(model)

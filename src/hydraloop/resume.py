@@ -20,9 +20,9 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 from hydraloop.arguments import shown as shown_value
-from hydraloop.checkpoint import TrainState, load_checkpoint, restore_rng_state, step_checkpoints
+from hydraloop.checkpoint import TrainState, load_checkpoint, of_each, restore_rng_state, step_checkpoints
 from hydraloop.errors import ConfigError
-from hydraloop.optim import GROUPING_KEYS, group_sizes
+from hydraloop.optim import GROUPING_KEYS, config_key, group_sizes, optimizer_nodes
 from hydraloop.parallel.single import SingleDevice
 from hydraloop.precision import Precision
 from hydraloop.schedulers import apply_current_step
@@ -77,11 +77,8 @@ def check_resumable(path: str | Path, cfg: Any) -> None:
         raise ConfigError(f"{error}{hint}") from None
     if cfg.mode != "train":
         model_state(checkpoint, cfg.ckpt_weights, source)  # it holds the weights asked for
-    saved_optimizer = checkpoint.get("config", {}).get("optimizer", {}).get("_target_")
-    if cfg.mode == "train" and saved_optimizer and saved_optimizer != cfg.optimizer._target_:
-        raise ConfigError(
-            f"{source}: holds {saved_optimizer} state, the config asks for {cfg.optimizer._target_}{hint}"
-        )
+    if cfg.mode == "train":
+        _check_optimizers(checkpoint, cfg, source, hint)
     saved_vocab = checkpoint.get("config", {}).get("data", {}).get("vocab")
     if saved_vocab is not None and cfg.data.get("vocab") != saved_vocab:
         raise ConfigError(
@@ -127,12 +124,39 @@ def check_resumable(path: str | Path, cfg: Any) -> None:
     if problems:
         shown = "; ".join(sorted(problems)[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
         raise ConfigError(f"{source}: does not fit model {model_cfg._target_} ({shown}){hint}")
-    saved_groups = [len(group["params"]) for group in checkpoint.get("optimizer", {}).get("param_groups", [])]
-    groups = group_sizes(model, cfg.optimizer)
-    if cfg.mode == "train" and saved_groups and saved_groups != groups:
-        values = {key: cfg.optimizer.get(key) for key in GROUPING_KEYS}
+    if cfg.mode == "train":
+        _check_groups(checkpoint, cfg, model, source, hint)
+
+
+def _check_optimizers(checkpoint: dict[str, Any], cfg: Any, source: str, hint: str) -> None:
+    """The checkpoint holds state of the optimizers the config names (several by name, hydraloop.optim), each of the
+    same class."""
+    nodes = optimizer_nodes(cfg.optimizer)
+    saved_config = checkpoint.get("config") or {}
+    saved_nodes = optimizer_nodes(OmegaConf.create(saved_config.get("optimizer") or {"_target_": None}))
+    if saved_config and list(saved_nodes) != list(nodes):
+        what = lambda names: " and ".join(f"optimizer.{n}" for n in names) if names != [""] else "one optimizer"  # noqa: E731
+        raise ConfigError(
+            f"{source}: holds the state of {what(list(saved_nodes))}, the config names {what(list(nodes))}{hint}"
+        )
+    for name, node in nodes.items():
+        saved_target = saved_nodes[name].get("_target_") if name in saved_nodes else None
+        if saved_target and saved_target != node._target_:
+            raise ConfigError(f"{config_key(name)}._target_={node._target_}: {source} holds {saved_target} state{hint}")
+
+
+def _check_groups(checkpoint: dict[str, Any], cfg: Any, model: nn.Module, source: str, hint: str) -> None:
+    """Each optimizer's state is of the parameter groups the config makes."""
+    nodes = optimizer_nodes(cfg.optimizer)
+    for name, saved in of_each(checkpoint["optimizer"], list(nodes)).items():
+        saved_groups = [len(group["params"]) for group in saved.get("param_groups", [])]
+        groups = group_sizes(model, nodes[name])
+        if not saved_groups or saved_groups == groups:
+            continue
+        key = config_key(name)
+        values = {rule: nodes[name].get(rule) for rule in GROUPING_KEYS if rule != "modules"}
         rules = ", ".join(
-            f"optimizer.{key}={str(v).lower() if isinstance(v, bool) else shown_value(v)}" for key, v in values.items()
+            f"{key}.{rule}={str(v).lower() if isinstance(v, bool) else shown_value(v)}" for rule, v in values.items()
         )
         raise ConfigError(
             f"{rules}: make parameter groups of {groups} parameters, and {source} holds optimizer state for groups "
@@ -241,33 +265,45 @@ def restore(
     checkpoint: dict[str, Any],
     strategy: SingleDevice,
     model: nn.Module,
-    optimizer: Optimizer,
-    scheduler: LambdaLR,
+    optimizers: dict[str, Optimizer],
+    schedulers: dict[str, LambdaLR],
     precision: Precision,
+    schedule_step: int | None = None,
 ) -> None:
-    """Loads a checkpoint's training objects into the (wrapped) model, the optimizer built from this run's config,
-    its schedule, the loss scaler and the generators. Every rank reads the file.
+    """Loads a checkpoint's training objects into the (wrapped) model, the optimizers built from this run's config
+    (by name: hydraloop.optim), their schedules, the loss scaler and the generators. Every rank reads the file.
 
-    The optimizer's hyper-parameters are this run's config's, not the checkpoint's: a resume with another
+    The optimizers' hyper-parameters are this run's config's, not the checkpoint's: a resume with another
     `optimizer.lr` or `weight_decay` trains with it (from the next step; said in one line), as every record of the
-    run says. The optimizer's state (moments, momenta) and the schedule's position are the checkpoint's.
+    run says. The optimizers' state (moments, momenta) are the checkpoint's, and so are the schedules' positions,
+    unless `schedule_step` places them (hydraloop.trainer.schedule_plan: a run in epochs under another batch size).
     """
     strategy.load_model_state(model, checkpoint["model"])
-    configured = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
-    strategy.load_optimizer_state(model, optimizer, checkpoint["optimizer"])
+    names = list(optimizers)
+    saved_schedules = of_each(checkpoint["scheduler"], names)
     changed = []
-    for group, values in zip(optimizer.param_groups, configured):
-        for key, value in values.items():
-            if key != "lr" and _plain(group.get(key)) != _plain(value):
-                changed.append(f"optimizer.{'lr' if key == 'initial_lr' else key} {group.get(key)} -> {value}")
-            group[key] = value
+    for name, saved in of_each(checkpoint["optimizer"], names).items():
+        optimizer, scheduler = optimizers[name], schedulers[name]
+        configured = [
+            {key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups
+        ]
+        strategy.load_optimizer_state(model, optimizer, saved)
+        for group, values in zip(optimizer.param_groups, configured):
+            for key, value in values.items():
+                if key != "lr" and _plain(group.get(key)) != _plain(value):
+                    changed.append(
+                        f"{config_key(name)}.{'lr' if key == 'initial_lr' else key} {group.get(key)} -> {value}"
+                    )
+                group[key] = value
+        scheduler.load_state_dict(saved_schedules[name])
+        if schedule_step is not None:
+            scheduler.last_epoch = schedule_step
+        scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]  # the configured lr
+        apply_current_step(scheduler)
     if changed:
         log.info(
             "resumed with new hyper-parameters, from step %d on: %s", checkpoint["global_step"], ", ".join(changed)
         )
-    scheduler.load_state_dict(checkpoint["scheduler"])
-    scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]  # the configured lr, not the saved
-    apply_current_step(scheduler)
     precision.load_state_dict(checkpoint.get("grad_scaler", {}))
     restore_rng_state(checkpoint["rng"], strategy.device)
 

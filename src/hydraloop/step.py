@@ -7,6 +7,12 @@ size, the number of micro-batches, and however unevenly an incomplete last batch
 the same number of micro-batches in a step, an empty one where it holds no row of that part of the global batch:
 FSDP gathers parameters in every forward and DDP may broadcast buffers there, collectives all ranks must join. The
 last micro-batch's backward always synchronises gradients.
+
+With several optimizers (hydraloop.optim) a step is one such pass per optimizer the task names, in its order
+(`Task.optimizer_steps`: a GAN's discriminator, then its generator), each over the same batch with the task's loss for
+that optimizer (`training_loss(model, batch, optimizer=name)`), stepping that optimizer alone: the gradients of its
+parameters are reduced over the ranks (`reduce_gradients`), checked, clipped and scaled as one optimizer's are, and
+every gradient is cleared before the next pass. A pass skipped for a non-finite loss makes the step a skipped one.
 """
 
 import math
@@ -32,7 +38,7 @@ class OptimizerStep:
         precision: Precision,
         task: Task,
         model: nn.Module,
-        optimizer: Optimizer,
+        optimizers: dict[str, Optimizer],
         *,
         global_batch_size: int,
         grad_accum_steps: int = 1,
@@ -40,9 +46,13 @@ class OptimizerStep:
         skip_nonfinite: bool = False,
         row_keys: RowKeys | None = None,
     ) -> None:
-        """`model`: the strategy-wrapped model; `row_keys`: for a model with KeyedDropout (None: it has none)."""
+        """`model`: the strategy-wrapped model; `optimizers`: by name, one named "" or several (hydraloop.optim);
+        `row_keys`: for a model with KeyedDropout (None: it has none)."""
         self.strategy, self.precision, self.task = strategy, precision, task
-        self.model, self.optimizer = model, optimizer
+        self.model, self.optimizers = model, optimizers
+        self.names = list(optimizers)
+        self.several = self.names != [""]
+        self.params = {name: [p for group in o.param_groups for p in group["params"]] for name, o in optimizers.items()}
         self.world_size = strategy.world_size
         self.grad_accum_steps, self.grad_clip_norm = grad_accum_steps, grad_clip_norm
         self.skip_nonfinite = skip_nonfinite
@@ -54,18 +64,37 @@ class OptimizerStep:
     def __call__(self, batch: Any, global_rows: int, step: int) -> Tensor | None:
         """Optimizer step `step` (counted from 0) over this rank's `batch`, its part of a global batch of
         `global_rows` rows. Returns this rank's share of the global batch's mean loss (the ranks' shares add up to
-        it, times the world size), or None if the update was skipped for a non-finite loss."""
-        self.optimizer.zero_grad(set_to_none=True)
+        it, times the world size; with several optimizers, the sum of their losses), or None if an update was
+        skipped for a non-finite loss."""
+        if not self.several:
+            return self.update("", batch, global_rows, step, 0)
+        total: Tensor | None = torch.zeros((), device=self.strategy.device)
+        for index, name in enumerate(self.task.optimizer_steps(step, self.names)):
+            loss = self.update(name, batch, global_rows, step, index)
+            total = None if loss is None or total is None else total + loss
+        return total
+
+    def update(self, name: str, batch: Any, global_rows: int, step: int, index: int) -> Tensor | None:
+        """One optimizer's pass over the batch and its update; `index`: the pass's place in the step (its dropout
+        masks are its own)."""
+        optimizer = self.optimizers[name]
+        if self.several:  # every gradient: a pass also reaches parameters another optimizer steps
+            self.model.zero_grad(set_to_none=True)
+        else:
+            optimizer.zero_grad(set_to_none=True)
         # A skipped step must leave the model as it was: its forward pass moved batch norm's running statistics too.
         buffers = [buffer.clone() for buffer in self.float_buffers] if self.skip_nonfinite else []
         micro_batches = self.micro_batches(batch, global_rows)
         last = len(micro_batches) - 1
         loss_sum = None
         for i, (micro_batch, first_row, rows) in enumerate(micro_batches):
-            keys = self.row_keys(step, first_row, rows) if self.row_keys else nullcontext()
+            keys = self.row_keys(step, first_row, rows, index) if self.row_keys else nullcontext()
             with self.strategy.no_sync(self.model) if i < last else nullcontext():
                 with self.precision.autocast(), keys:
-                    loss = self.task.training_loss(self.model, micro_batch)
+                    if self.several:
+                        loss = self.task.training_loss(self.model, micro_batch, optimizer=name)
+                    else:
+                        loss = self.task.training_loss(self.model, micro_batch)
                 if not rows:
                     # A mean over no rows is NaN; times 0 it still reaches every parameter the forward pass used,
                     # with a zero gradient: this rank joins the gradient reduction with nothing to add.
@@ -79,8 +108,10 @@ class OptimizerStep:
             loss_sum = weighted if loss_sum is None else loss_sum + weighted
         if loss_sum is None:  # no row here at all
             loss_sum = torch.zeros((), device=self.strategy.device)
+        if self.several:
+            self.strategy.reduce_gradients(self.model, self.params[name])
         if self.skip_nonfinite and nonfinite_on_any_rank(loss_sum, self.strategy):
-            self.optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=True)
             with torch.no_grad():
                 for buffer, saved in zip(self.float_buffers, buffers):
                     buffer.copy_(saved)
@@ -88,9 +119,9 @@ class OptimizerStep:
         if self.grad_clip_norm is not None:
             # DDP has averaged the gradients by now, so every rank clips by the same global norm. Under FSDP each
             # rank holds a shard (DTensor) of them, and clip_grad_norm_ takes the norm over all shards.
-            self.precision.unscale_(self.optimizer)
-            nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip_norm)
-        self.precision.step(self.optimizer)
+            self.precision.unscale_(optimizer)
+            nn.utils.clip_grad_norm_(self.params[name], self.grad_clip_norm)
+        self.precision.step(optimizer)
         return loss_sum
 
     def micro_batches(self, batch: Any, global_rows: int) -> list[tuple[Any, int, int]]:

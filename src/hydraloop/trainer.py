@@ -8,6 +8,7 @@ import logging
 import math
 import operator
 import time
+import warnings
 from typing import Any, NoReturn
 
 import torch
@@ -49,6 +50,20 @@ def planned_steps(max_steps: int | None, max_epochs: int, state: TrainState, sam
     return state.global_step + rest_of_epoch + (max_epochs - state.epoch - 1) * sampler.steps_per_epoch
 
 
+def schedule_plan(
+    max_steps: int | None, max_epochs: int, state: TrainState, sampler: GlobalBatchSampler
+) -> tuple[int, int]:
+    """(the step a schedule stands at, its total steps), in steps of today's batch size. A run in steps plans in
+    the steps counted. A run in epochs plans in epochs: a resume under another batch size (or limit) starts the
+    schedule where today's steps would have brought it after the epochs done so far, so a decay every N epochs and a
+    warm-up in epochs still end at the epochs they name."""
+    if max_steps:
+        return state.global_step, max_steps
+    steps = sampler.steps_per_epoch
+    done_in_epoch = steps - sampler.batches_from(state.epoch_samples) if state.epoch_samples else 0
+    return state.epoch * steps + max(0, done_in_epoch), max_epochs * steps
+
+
 class Trainer:
     def __init__(
         self,
@@ -59,8 +74,8 @@ class Trainer:
         settings: Any,
         *,
         model: nn.Module,
-        optimizer: Optimizer,
-        scheduler: LRScheduler,
+        optimizers: dict[str, Optimizer],
+        schedulers: dict[str, LRScheduler],
         throughput: Throughput,
         seed: int,
         optimized_metric: str,
@@ -73,12 +88,13 @@ class Trainer:
         callbacks: dict[str, Callback] | None = None,
     ) -> None:
         """`settings` is the `trainer` config node (see hydraloop.config.TrainerConfig for each key); `model` is the
-        strategy-wrapped model; `stop_request` is set by a stop signal (see hydraloop.preemption);
+        strategy-wrapped model; `optimizers` and their `schedulers`, by name (one named "": hydraloop.optim);
+        `stop_request` is set by a stop signal (see hydraloop.preemption);
         `rerun_starts_from`: where a rerun into this run directory starts while this run has saved nothing (said
         when the run fails); `validated`: the metrics of the resumed checkpoint's step, if it holds them;
         `callbacks`: by name (hydraloop.callbacks), set up last, once the loop is built."""
         self.strategy, self.writer, self.precision, self.task = strategy, writer, precision, task
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.model, self.optimizers, self.schedulers = model, optimizers, schedulers
         self.max_epochs = settings.max_epochs
         self.max_steps = settings.max_steps
         self.val_every_n_steps = settings.val_every_n_steps
@@ -106,7 +122,7 @@ class Trainer:
             precision,
             task,
             model,
-            optimizer,
+            optimizers,
             global_batch_size=global_batch_size,
             grad_accum_steps=settings.grad_accum_steps,
             grad_clip_norm=settings.grad_clip_norm,
@@ -118,6 +134,10 @@ class Trainer:
         self.rerun_starts_from = rerun_starts_from
         self.validated = validated or {}  # the latest validation's metrics...
         self.validated_at = -1  # ...and its global step (see fit for a resumed checkpoint's)
+        if list(optimizers) != [""]:
+            # Each schedule follows the global step; an optimizer the task steps less often than every step (a GAN's
+            # generator, every n_critic-th) has not stepped yet when its schedule first does, which torch warns of.
+            warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before", UserWarning)
         self.callbacks = callbacks or {}
         for callback in self.callbacks.values():
             callback.setup(self)
@@ -210,13 +230,13 @@ class Trainer:
         if not self.save_checkpoints:
             self.saved_at = state.global_step
             return  # not even FSDP's gather
-        state_dicts = self.strategy.state_dicts(self.model, self.optimizer)
+        state_dicts = self.strategy.state_dicts(self.model, self.optimizers)
         callback_states = {name: callback.state_dict(self) for name, callback in self.callbacks.items()}
 
         def make_state() -> dict[str, Any]:
             return checkpoint_state(
                 *state_dicts(),
-                self.scheduler,
+                self.schedulers,
                 self.precision,
                 state,
                 val_metrics,
@@ -229,7 +249,7 @@ class Trainer:
         self.saved_at = state.global_step
 
     def _check_finite(self, loss: float, interval: Interval, state: TrainState) -> None:
-        lr = self.scheduler.get_last_lr()[0]
+        lr = next(iter(self.schedulers.values())).get_last_lr()[0]
         check_finite(loss, interval, state.epoch, self.strategy, self.rerun_note(), lr=lr)
 
     def _before_validation_or_checkpoint(self, state: TrainState) -> None:
@@ -297,7 +317,8 @@ class Trainer:
             self.seed_step(state.global_step)
             global_rows = sampler.global_rows(state.epoch_samples)
             loss = self.step(self._on_device(batch), global_rows, state.global_step)
-            self.scheduler.step()
+            for scheduler in self.schedulers.values():
+                scheduler.step()
             self.profiler.step()
             state.global_step += 1
             state.epoch_step += 1
@@ -384,9 +405,10 @@ class Trainer:
         else:  # every step of the interval skipped (trainer.nonfinite_loss=skip): no loss to average
             loss = math.nan
         seconds = time.perf_counter() - interval.start
+        lrs = {f"train/lr/{name}" if name else "train/lr": s.get_last_lr()[0] for name, s in self.schedulers.items()}
         metrics = {
             **({"train/loss": loss} if interval.loss_steps else {}),
-            "train/lr": self.scheduler.get_last_lr()[0],
+            **lrs,
             **self.throughput.metrics(interval.count, interval.samples, seconds, interval.data_wait_s),
         }
         if self.strategy.device.type == "cuda":
@@ -394,15 +416,16 @@ class Trainer:
         self.writer.log_metrics(metrics, state.global_step)
         samples_per_sec = metrics["perf/samples_per_sec"]
         self.progress.update(interval.count)
+        lr = next(iter(lrs.values()))
         self.progress.set_postfix(
-            loss=f"{loss:.4f}", lr=f"{metrics['train/lr']:.3g}", samples_per_s=f"{samples_per_sec:.0f}", refresh=False
+            loss=f"{loss:.4f}", lr=f"{lr:.3g}", samples_per_s=f"{samples_per_sec:.0f}", refresh=False
         )
         log.info(
             "epoch %d step %d | train/loss %.4f | lr %.3g | %.0f samples/s | data wait %.0f%%",
             state.epoch + 1,
             state.global_step,
             loss,
-            metrics["train/lr"],
+            lr,
             samples_per_sec,
             100 * metrics["perf/data_wait_frac"],
         )

@@ -11,6 +11,7 @@ from torch import nn
 from hydraloop.batches import count_rows, tensors
 from hydraloop.errors import ConfigError
 from hydraloop.keyed_dropout import current_rows, rows_of
+from hydraloop.optim import optimizer_nodes, part_modules
 from hydraloop.parallel.single import SingleDevice, resolve_device
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,11 @@ class DataParallelStrategy(SingleDevice):
 
     def check(self, cfg: Any) -> None:
         super().check(cfg)
+        if part_modules(cfg.get("optimizer")):  # a task calls the parts, which DataParallel's one wrapper cannot split
+            raise ConfigError(
+                f"optimizer: several optimizers ({', '.join(optimizer_nodes(cfg.optimizer))}) train with "
+                "parallel=single, ddp or fsdp; not dataparallel"
+            )
         split_over = gpus_to_split_over(self.device_name, self.requested_ids)
         if cfg.trainer.compile and len(split_over) > 1:
             # Module.compile binds the compiled forward to the module it was called on; DataParallel's replicas copy
@@ -49,7 +55,7 @@ class DataParallelStrategy(SingleDevice):
     def devices(self) -> list[torch.device]:
         return [torch.device("cuda", index) for index in self.device_ids] if len(self.device_ids) > 1 else [self.device]
 
-    def wrap(self, model: nn.Module) -> nn.Module:
+    def wrap(self, model: nn.Module, parts: Sequence[str] = ()) -> nn.Module:
         model = super().wrap(model)
         if len(self.device_ids) < 2:
             log.warning(

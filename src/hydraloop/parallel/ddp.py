@@ -3,8 +3,8 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -182,8 +183,16 @@ class DDPStrategy(SingleDevice):
                 "the same MASTER_ADDR and MASTER_PORT"
             ) from None
 
-    def wrap(self, model: nn.Module) -> nn.Module:
+    def wrap(self, model: nn.Module, parts: Sequence[str] = ()) -> nn.Module:
         model = super().wrap(self.with_global_batchnorm(model))
+        if parts:
+            # Several optimizers, each pass stepping one part: a DDP wrapper would wait in every backward for the
+            # gradients of parameters that pass leaves alone. The loop reduces the stepped part's instead
+            # (reduce_gradients), once per pass, without overlapping the backward. Every rank starts from rank 0's
+            # weights, as DDP's constructor would make it.
+            for tensor in (*model.parameters(), *model.buffers()):
+                dist.broadcast(tensor.detach(), src=0)
+            return model
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids, **self.ddp_options)
 
@@ -192,7 +201,19 @@ class DDPStrategy(SingleDevice):
         return convert_sync_batchnorm(model, self.device) if self.sync_batchnorm else model
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
-        return model.no_sync()
+        return model.no_sync() if isinstance(model, DistributedDataParallel) else nullcontext()
+
+    def reduce_gradients(self, model: nn.Module, params: Sequence[nn.Parameter]) -> None:
+        if isinstance(model, DistributedDataParallel):
+            return  # its backward hooks have averaged every gradient
+        grads = [param.grad for param in params if param.grad is not None]
+        if not grads:
+            return
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        flat /= self.world_size
+        for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            grad.copy_(reduced)
 
     def eval_module(self, model: nn.Module) -> nn.Module:
         # DDP's forward can broadcast buffers, a collective that would deadlock when shards differ in length.

@@ -92,25 +92,38 @@ class FSDPStrategy(DDPStrategy):
         time.sleep(0.05)
         super().teardown()
 
-    def wrap(self, model: nn.Module) -> nn.Module:
+    def wrap(self, model: nn.Module, parts: Sequence[str] = ()) -> nn.Module:
+        """The model sharded; with several optimizers each part (`parts`) is a root of its own, sharded alike, since a
+        task calls the parts, never the whole model; the model holds them unsharded, as a plain container."""
         model = self.with_global_batchnorm(model).to(self.device)
+        units = self.units(model)
+        for root in [model.get_submodule(part) for part in parts] or [model]:
+            self._shard(root, units)
+        return model
+
+    def _shard(self, root: nn.Module, units: list[str]) -> None:
         options = dict(reshard_after_forward=self.reshard_after_forward, mp_policy=self.mp_policy, mesh=self.mesh)
         # fully_shard goes bottom-up (a unit takes the parameters no unit below it took); reversed pre-order
         # visits every module after all of its descendants.
-        units = self.units(model)
-        for module in reversed(list(model.modules())):
-            if module is not model and type(module).__name__ in units:
+        for module in reversed(list(root.modules())):
+            if module is not root and type(module).__name__ in units:
                 fully_shard(module, **options)
-        return fully_shard(model, **options)
+        fully_shard(root, **options)
 
     @contextmanager
-    def no_sync(self, model: FSDPModule) -> Iterator[None]:
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
         # FSDP2's counterpart of DDP's no_sync: gradients accumulate unsharded, without a reduce-scatter.
-        model.set_requires_gradient_sync(False)
+        roots = [model] if isinstance(model, FSDPModule) else _roots(model)
+        for root in roots:
+            root.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            model.set_requires_gradient_sync(True)
+            for root in roots:
+                root.set_requires_gradient_sync(True)
+
+    def reduce_gradients(self, model: nn.Module, params: Sequence[nn.Parameter]) -> None:
+        pass  # the backward has reduce-scattered every gradient: each rank holds its shard of the mean
 
     def eval_module(self, model: nn.Module) -> nn.Module:
         return model  # unlike DDP, no plain module to fall back on: each rank holds only shards (see eval_batches)
@@ -131,14 +144,16 @@ class FSDPStrategy(DDPStrategy):
         for _ in range(most - count):
             yield slice_rows(batch, 0, 0)
 
-    def state_dicts(self, model: nn.Module, optimizer: Optimizer) -> Callable[[], tuple[dict, dict]]:
+    def state_dicts(
+        self, model: nn.Module, optimizers: dict[str, Optimizer]
+    ) -> Callable[[], tuple[dict, dict[str, dict]]]:
         # Gathering the full tensors is a collective that every rank joins, now; only rank 0 receives them, on
-        # the CPU. The optimizer's state comes keyed by parameter name; a checkpoint keys it like a plain
+        # the CPU. An optimizer's state comes keyed by parameter name; a checkpoint keys it like a plain
         # optimizer, by position, so that any strategy resumes from it.
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_state = get_model_state_dict(model, options=options)
-        optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
-        return lambda: (model_state, _keyed_by_position(optimizer_state))
+        by_name = {name: get_optimizer_state_dict(model, o, options=options) for name, o in optimizers.items()}
+        return lambda: (model_state, {name: _keyed_by_position(state) for name, state in by_name.items()})
 
     def load_model_state(self, model: nn.Module, state: dict[str, Any]) -> None:
         # Every rank read the full state; each keeps its own shard of it.
@@ -151,6 +166,15 @@ class FSDPStrategy(DDPStrategy):
         set_optimizer_state_dict(
             model, optimizer, _rekeyed(state, names), options=StateDictOptions(full_state_dict=True)
         )
+
+
+def _roots(model: nn.Module) -> list[FSDPModule]:
+    """The sharded parts of a model that several optimizers train (see `wrap`): the FSDP modules outermost."""
+    roots: dict[str, FSDPModule] = {}
+    for name, module in model.named_modules():  # pre-order: a part comes before its units
+        if isinstance(module, FSDPModule) and not any(name.startswith(f"{root}.") for root in roots):
+            roots[name] = module
+    return list(roots.values())
 
 
 def _dtype(key: str, name: str | None) -> torch.dtype | None:

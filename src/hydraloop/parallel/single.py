@@ -1,5 +1,5 @@
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar
 
@@ -83,7 +83,10 @@ class SingleDevice:
         """Every device this process computes on (after `setup`): its generators are reseeded before each step."""
         return [self.device]
 
-    def wrap(self, model: nn.Module) -> nn.Module:
+    def wrap(self, model: nn.Module, parts: Sequence[str] = ()) -> nn.Module:
+        """The model on this rank's device, wrapped as the strategy trains it. `parts`: the submodules several
+        optimizers train, one each (hydraloop.optim), whose gradients the loop has reduced by `reduce_gradients`
+        before it steps their optimizer."""
         return model.to(self.device)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -95,6 +98,10 @@ class SingleDevice:
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
         """Context for the backward passes of all micro-batches but the last: no gradient communication."""
         return nullcontext()
+
+    def reduce_gradients(self, model: nn.Module, params: Sequence[nn.Parameter]) -> None:
+        """After the last backward of an optimizer's pass: the gradients of `params`, the parameters it steps, as the
+        mean over the ranks, where the wrapper has not made them so already. Here, one rank: they are."""
 
     def eval_module(self, model: nn.Module) -> nn.Module:
         """The module to evaluate with: the wrapped one, unless the wrapper communicates in forward."""
@@ -108,12 +115,17 @@ class SingleDevice:
         """Gives every rank rank 0's buffers (batch norm's running statistics), before a validation or checkpoint:
         each rank updates its own from its own shard, and rank 0's are saved. Here, one rank: nothing to do."""
 
-    def state_dicts(self, model: nn.Module, optimizer: Optimizer) -> Callable[[], tuple[dict, dict]]:
-        """The model's and optimizer's state for a checkpoint, as a plain model and optimizer hold it.
+    def state_dicts(
+        self, model: nn.Module, optimizers: dict[str, Optimizer]
+    ) -> Callable[[], tuple[dict, dict[str, dict]]]:
+        """The model's and each optimizer's state (by name) for a checkpoint, as a plain model and optimizer hold it.
 
         A function, called only where a checkpoint is written (rank 0), so other ranks copy nothing.
         """
-        return lambda: (self.unwrap(model).state_dict(), optimizer.state_dict())
+        return lambda: (
+            self.unwrap(model).state_dict(),
+            {name: optimizer.state_dict() for name, optimizer in optimizers.items()},
+        )
 
     def load_model_state(self, model: nn.Module, state: dict[str, Any]) -> None:
         """Loads a checkpoint's `model` (a plain model's state_dict) into the wrapped model; on every rank."""

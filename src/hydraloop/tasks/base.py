@@ -47,6 +47,13 @@ class Task:
         inputs, targets = self.split(batch)
         return self.loss(call(model, inputs), targets)
 
+    def optimizer_steps(self, step: int, optimizers: list[str]) -> list[str]:
+        """With several optimizers: those that step at optimizer step `step` (counted from 0), in order, each with a
+        pass of its own over the batch, whose loss is `training_loss(model, batch, optimizer=name)` (README: Several
+        optimizers). Here, every optimizer, in the config's order; a GAN's critic steps every time, its generator
+        every n-th step, say."""
+        return optimizers
+
     def validation_statistics(self, model: Any, batch: Any) -> Tensor:
         """The statistics of a validation batch (see `statistics`)."""
         inputs, targets = self.split(batch)

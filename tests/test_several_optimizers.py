@@ -1,0 +1,143 @@
+"""Several optimizers (optimizer=gan, each over its modules) and a task's own step (the GAN example,
+experiment=ring_gan) through the real command line: ddp, fsdp, accumulation and a resume under another strategy end
+with single's weights and both optimizers' states, on an epoch whose last batch is uneven; what does not fit is one
+line before any rank starts."""
+
+import pytest
+import torch
+
+from conftest import bad_input_line, max_param_diff
+
+TOLERANCE = 1e-5  # as for DDP and FSDP's weights: per-rank mean gradients against one mean
+
+# 1000 samples in batches of 64: 15 full steps and one of 40 rows (20 per rank; micro-batches of 16 and 4 under
+# accumulation 2). n_critic=2: the discriminator steps at every step, the generator at every second.
+GAN = (
+    "experiment=ring_gan",
+    "data.dataset.num_train=1000",
+    "data.dataset.num_val=200",
+    "data.batch_size=64",
+    "data.drop_last=false",
+    "model.hidden_sizes=[16]",
+    "task.n_critic=2",
+    "trainer.max_epochs=1",
+    "trainer.ckpt_every_n_steps=5",
+    "trainer.keep_last_k=5",
+    "logger=none",
+)
+
+
+def optimizer_moments(checkpoint: dict) -> dict:
+    """Every optimizer's per-parameter state as one flat dict of tensors."""
+    return {
+        f"{name}.{index}.{key}": value
+        for name, state in checkpoint["optimizer"].items()
+        for index, entry in state["state"].items()
+        for key, value in entry.items()
+    }
+
+
+@pytest.mark.slow
+def test_a_gan_trains_the_same_under_ddp_fsdp_accumulation_and_a_resume_under_another_strategy(run_train):
+    single = run_train(*GAN)
+    assert single.returncode == 0, single.output
+    expected = single.checkpoint()
+    assert set(expected["optimizer"]) == set(expected["scheduler"]) == {"generator", "discriminator"}
+    steps = {name: int(state["state"][0]["step"]) for name, state in expected["optimizer"].items()}
+    assert steps == {"discriminator": 16, "generator": 8}  # the task's order: the generator every second step
+    halfway = single.run_dir / "checkpoints" / "step-00000005.pt"
+    runs = {
+        "ddp": run_train(*GAN, "parallel=ddp"),
+        "ddp, accumulating": run_train(*GAN, "parallel=ddp", "trainer.grad_accum_steps=2"),
+        "fsdp": run_train(*GAN, "parallel=fsdp"),
+        "resumed under ddp": run_train(*GAN, "parallel=ddp", f"ckpt_path={halfway}"),
+    }
+    for name, run in runs.items():
+        assert run.returncode == 0, name + run.output
+        checkpoint = run.checkpoint()
+        assert max_param_diff(checkpoint["model"], expected["model"]) < TOLERANCE, name
+        assert max_param_diff(optimizer_moments(checkpoint), optimizer_moments(expected)) < TOLERANCE, name
+        for metric in ("val/d_loss", "val/g_loss", "val/high_quality"):
+            assert run.metrics[metric] == pytest.approx(single.metrics[metric], rel=1e-4, abs=1e-6), name + metric
+    start = run_train(*GAN, "trainer.max_steps=1", "trainer.ckpt_every_n_steps=1").checkpoint()
+    assert max_param_diff(expected["model"], start["model"]) > 1e-3  # it trained
+
+
+def test_the_optimizers_stepped_and_logged_are_the_tasks(run_train):
+    run = run_train(
+        *GAN, "trainer.max_steps=3", "trainer.ckpt_every_n_steps=1", "trainer.log_every_n_steps=1", "logger=csv"
+    )
+    assert run.returncode == 0, run.output
+    first, second = run.checkpoint("step-00000001.pt"), run.checkpoint("step-00000002.pt")
+    # Step 1 (the first of n_critic=2): the discriminator alone; the generator's weights are the initial ones.
+    assert set(first["optimizer"]["generator"]["state"]) == set()
+    assert max_param_diff(_part(first, "generator"), _part(second, "generator")) > 0
+    header = (run.run_dir / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert {"train/lr/generator", "train/lr/discriminator"} <= set(header)
+    # Evaluated under ddp, the checkpoint's parts give the metrics training validated it with.
+    evaluated = run_train(*GAN, "mode=eval", f"ckpt_path={run.run_dir / 'checkpoints' / 'last.pt'}", "parallel=ddp")
+    assert evaluated.returncode == 0, evaluated.output
+    for metric in ("val/d_loss", "val/high_quality"):
+        assert evaluated.metrics[metric] == pytest.approx(run.checkpoint()["metrics"][metric], rel=1e-6), metric
+
+
+def _part(checkpoint: dict, prefix: str) -> dict:
+    return {name: value for name, value in checkpoint["model"].items() if name.startswith(prefix)}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "line"),
+    [
+        (
+            ["optimizer.generator.modules=[genrator]"],
+            "optimizer.generator.modules: 'genrator' is no submodule of GAN (its children: generator, discriminator)",
+        ),
+        (
+            ["optimizer.generator.modules=[generator,discriminator]"],
+            "optimizer.discriminator.modules=['discriminator']: discriminator.0.weight is trained by "
+            "optimizer.generator too; give each parameter one optimizer",
+        ),
+        (
+            ["optimizer.generator.modules=[generator.0]"],
+            "optimizer: no optimizer trains generator.2.weight, generator.2.bias: add its module to the modules of "
+            "one of optimizer.generator, optimizer.discriminator",
+        ),
+        (["optimizer.generator.modules=generator"], "optimizer.generator.modules=generator: must be a list"),
+        (["optimizer.generator.lr=0"], "optimizer.generator.lr=0: must be a positive finite number"),
+        (["+optimizer.generator.betaz=[0.5,0.9]"], "torch.optim.Adam takes no argument 'betaz'; did you mean betas?"),
+        (["optimizer.generator.betas=[0.5,1.5]"], "optimizer.generator.betas=[0.5, 1.5]: torch.optim.Adam says"),
+        (
+            ["+optimizer.generator.lr_scales=[[gen.*,0.1]]"],
+            "optimizer.generator.lr_scales: the pattern 'gen.*' matches no parameter of GAN it trains",
+        ),
+        (["parallel=dataparallel"], "optimizer: several optimizers (generator, discriminator) train with"),
+        (
+            ["task=classification", "~task.n_critic"],
+            "each need a loss of their own, and task._target_=hydraloop.tasks.classification.Classification has one",
+        ),
+    ],
+)
+def test_several_optimizers_that_do_not_fit_are_one_line_before_any_rank_starts(run_train, tmp_path, overrides, line):
+    run = run_train(*GAN, *overrides, run_dir=tmp_path / "run")
+    assert line in bad_input_line(run)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_checkpoint_of_other_optimizers_is_refused_in_one_line(run_train, tmp_path):
+    plain = run_train("data=synthetic", "trainer.max_steps=2", "logger=none")
+    assert plain.returncode == 0, plain.output
+    path = plain.run_dir / "checkpoints" / "last.pt"
+    run = run_train(*GAN, f"ckpt_path={path}", run_dir=tmp_path / "run")
+    assert (
+        f"ckpt_path={path}: holds the state of one optimizer, the config names optimizer.generator and "
+        "optimizer.discriminator" in bad_input_line(run)
+    )
+    gan = run_train(*GAN, "trainer.max_steps=2")
+    other = tmp_path / "other.pt"
+    checkpoint = gan.checkpoint()
+    checkpoint["config"]["optimizer"]["generator"]["_target_"] = "torch.optim.SGD"
+    torch.save(checkpoint, other)
+    run = run_train(*GAN, f"ckpt_path={other}", run_dir=tmp_path / "run2")
+    assert f"optimizer.generator._target_=torch.optim.Adam: ckpt_path={other} holds torch.optim.SGD state" in (
+        bad_input_line(run)
+    )
