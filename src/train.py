@@ -48,7 +48,7 @@ from hydraloop.errors import (
     unwrap_instantiation,
 )
 from hydraloop.loggers import JobInfo, build_logger
-from hydraloop.optim import build_optimizers, part_modules
+from hydraloop.optim import build_optimizers, optimizer_nodes, part_modules, schedule_node
 from hydraloop.parallel.cluster import export_submitit_rank_env
 from hydraloop.parallel.single import SingleDevice
 from hydraloop.parallel.sweep_share import take_machine_share
@@ -172,10 +172,11 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice, job: JobInfo) -> dict
     total_steps = planned_steps(cfg.trainer.max_steps, cfg.trainer.max_epochs, state, sampler)
     log.info("%d optimizer steps per epoch, %d in all", sampler.steps_per_epoch, total_steps)
     schedule_step, schedule_steps = schedule_plan(cfg.trainer.max_steps, cfg.trainer.max_epochs, state, sampler)
-    schedule = instantiate(cfg.scheduler)  # each optimizer follows it, with a scheduler of its own
-    schedulers = {
-        name: schedule(optimizer, total_steps=schedule_steps, steps_per_epoch=sampler.steps_per_epoch)
-        for name, optimizer in optimizers.items()
+    schedulers = {  # each optimizer's own: from `scheduler`, or from its own node's
+        name: instantiate(schedule_node(node, cfg.scheduler))(
+            optimizers[name], total_steps=schedule_steps, steps_per_epoch=sampler.steps_per_epoch
+        )
+        for name, node in optimizer_nodes(cfg.optimizer).items()
     }
     precision = Precision(cfg.trainer.precision, strategy.device)
     if checkpoint:

@@ -3,6 +3,8 @@ experiment=ring_gan) through the real command line: ddp, fsdp, accumulation and 
 with single's weights and both optimizers' states, on an epoch whose last batch is uneven; what does not fit is one
 line before any rank starts."""
 
+import csv
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ TOLERANCE = 1e-5  # as for DDP and FSDP's weights: per-rank mean gradients again
 
 # 1000 samples in batches of 64: 15 full steps and one of 40 rows (20 per rank; micro-batches of 16 and 4 under
 # accumulation 2). n_critic=2: the discriminator steps at every step, the generator at every second.
+ALTERNATING = ("task.n_critic=2",)
 GAN = (
     "experiment=ring_gan",
     "data.dataset.num_train=1000",
@@ -19,7 +22,6 @@ GAN = (
     "data.batch_size=64",
     "data.drop_last=false",
     "model.hidden_sizes=[16]",
-    "task.n_critic=2",
     "trainer.max_epochs=1",
     "trainer.ckpt_every_n_steps=5",
     "trainer.keep_last_k=5",
@@ -39,7 +41,7 @@ def optimizer_moments(checkpoint: dict) -> dict:
 
 @pytest.mark.slow
 def test_a_gan_trains_the_same_under_ddp_fsdp_accumulation_and_a_resume_under_another_strategy(run_train):
-    single = run_train(*GAN)
+    single = run_train(*GAN, *ALTERNATING)
     assert single.returncode == 0, single.output
     expected = single.checkpoint()
     assert set(expected["optimizer"]) == set(expected["scheduler"]) == {"generator", "discriminator"}
@@ -47,10 +49,11 @@ def test_a_gan_trains_the_same_under_ddp_fsdp_accumulation_and_a_resume_under_an
     assert steps == {"discriminator": 16, "generator": 8}  # the task's order: the generator every second step
     halfway = single.run_dir / "checkpoints" / "step-00000005.pt"
     runs = {
-        "ddp": run_train(*GAN, "parallel=ddp"),
-        "ddp, accumulating": run_train(*GAN, "parallel=ddp", "trainer.grad_accum_steps=2"),
-        "fsdp": run_train(*GAN, "parallel=fsdp"),
-        "resumed under ddp": run_train(*GAN, "parallel=ddp", f"ckpt_path={halfway}"),
+        "ddp": run_train(*GAN, *ALTERNATING, "parallel=ddp"),
+        "ddp, accumulating": run_train(*GAN, *ALTERNATING, "parallel=ddp", "trainer.grad_accum_steps=2"),
+        "fsdp": run_train(*GAN, *ALTERNATING, "parallel=fsdp"),
+        "resumed under ddp": run_train(*GAN, *ALTERNATING, "parallel=ddp", f"ckpt_path={halfway}"),
+        "resumed under fsdp": run_train(*GAN, *ALTERNATING, "parallel=fsdp", f"ckpt_path={halfway}"),
     }
     for name, run in runs.items():
         assert run.returncode == 0, name + run.output
@@ -59,21 +62,36 @@ def test_a_gan_trains_the_same_under_ddp_fsdp_accumulation_and_a_resume_under_an
         assert max_param_diff(optimizer_moments(checkpoint), optimizer_moments(expected)) < TOLERANCE, name
         for metric in ("val/d_loss", "val/g_loss", "val/high_quality"):
             assert run.metrics[metric] == pytest.approx(single.metrics[metric], rel=1e-4, abs=1e-6), name + metric
-    start = run_train(*GAN, "trainer.max_steps=1", "trainer.ckpt_every_n_steps=1").checkpoint()
+    start = run_train(*GAN, *ALTERNATING, "trainer.max_steps=1", "trainer.ckpt_every_n_steps=1").checkpoint()
     assert max_param_diff(expected["model"], start["model"]) > 1e-3  # it trained
 
 
-def test_the_optimizers_stepped_and_logged_are_the_tasks(run_train):
+# The generator follows a schedule of its own (a warm-up over 3 steps); the discriminator the run's (constant).
+OWN_SCHEDULE = (
+    "+optimizer.generator.scheduler._target_=hydraloop.schedulers.cosine_with_warmup",
+    "+optimizer.generator.scheduler._partial_=true",
+    "+optimizer.generator.scheduler.warmup_steps=3",
+)
+
+
+def test_the_optimizers_stepped_scheduled_and_logged_are_the_tasks(run_train):
     run = run_train(
-        *GAN, "trainer.max_steps=3", "trainer.ckpt_every_n_steps=1", "trainer.log_every_n_steps=1", "logger=csv"
+        *GAN,
+        *ALTERNATING,
+        *OWN_SCHEDULE,
+        "trainer.max_steps=3",
+        "trainer.ckpt_every_n_steps=1",
+        "trainer.log_every_n_steps=1",
+        "logger=csv",
     )
     assert run.returncode == 0, run.output
+    rows = list(csv.DictReader((run.run_dir / "metrics.csv").open()))
+    lrs = [float(row[f"train/lr/{name}"]) for row in rows[:2] for name in ("generator", "discriminator")]
+    assert lrs == pytest.approx([2e-4 * 2 / 3, 2e-4, 2e-4, 2e-4])  # the lr of the step after the logged one
     first, second = run.checkpoint("step-00000001.pt"), run.checkpoint("step-00000002.pt")
     # Step 1 (the first of n_critic=2): the discriminator alone; the generator's weights are the initial ones.
     assert set(first["optimizer"]["generator"]["state"]) == set()
     assert max_param_diff(_part(first, "generator"), _part(second, "generator")) > 0
-    header = (run.run_dir / "metrics.csv").read_text().splitlines()[0].split(",")
-    assert {"train/lr/generator", "train/lr/discriminator"} <= set(header)
     # Evaluated under ddp, the checkpoint's parts give the metrics training validated it with.
     evaluated = run_train(*GAN, "mode=eval", f"ckpt_path={run.run_dir / 'checkpoints' / 'last.pt'}", "parallel=ddp")
     assert evaluated.returncode == 0, evaluated.output
@@ -112,7 +130,11 @@ def _part(checkpoint: dict, prefix: str) -> dict:
         ),
         (["parallel=dataparallel"], "optimizer: several optimizers (generator, discriminator) train with"),
         (
-            ["task=classification", "~task.n_critic"],
+            [*OWN_SCHEDULE, "+optimizer.generator.scheduler.warmup_stepz=3"],
+            "optimizer.generator.scheduler.warmup_stepz=3: hydraloop.schedulers.cosine_with_warmup takes no argument",
+        ),
+        (
+            ["task=classification"],
             "each need a loss of their own, and task._target_=hydraloop.tasks.classification.Classification has one",
         ),
     ],

@@ -32,6 +32,7 @@ def check_arguments(cfg: Any) -> None:
     there (`+optimizer.weight_deacy=0.1` adds one), and a misspelt key, or `model.hidden_sizes=256` for a list, would
     otherwise fail in every rank, as a traceback from inside Hydra or the constructor."""
     several = [config_key(name) for name in optimizer_nodes(cfg.optimizer) if name]
+    several += [f"{path}.scheduler" for path in several if OmegaConf.select(cfg, f"{path}.scheduler") is not None]
     for path in (*INSTANTIATED, *several, *_named_option_paths(cfg)):
         node = OmegaConf.select(cfg, path)
         if not OmegaConf.is_dict(node) or "_target_" not in node:

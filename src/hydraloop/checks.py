@@ -26,7 +26,7 @@ from hydraloop.arguments import check_arguments, check_model, check_optimization
 from hydraloop.batches import check_leaves, count_rows, map_tensors
 from hydraloop.callbacks import build_callbacks, reported_metrics
 from hydraloop.errors import ConfigError, require, unwrap_instantiation
-from hydraloop.optim import check_optimizers, config_key, optimizer_nodes
+from hydraloop.optim import check_optimizers, config_key, optimizer_nodes, schedule_node
 
 PRECISIONS = ("32", "bf16", "fp16")
 
@@ -50,7 +50,7 @@ def check_launch(cfg: Any, strategy: Any) -> Any:
         with torch.device("meta"):
             check_optimizers(cfg.optimizer, instantiate(cfg.model))
     for name, node in optimizer_nodes(cfg.optimizer).items():
-        check_optimization(node, cfg.scheduler, cfg.trainer.max_steps, config_key(name))
+        check_optimization(node, schedule_node(node, cfg.scheduler), cfg.trainer.max_steps, config_key(name))
     if cfg.mode == "predict":  # the file fits the model, and gives every rank an input
         inputs = load_inputs(cfg.data.predict_path, cfg.data.input_shape, tokens=task.tokens_per_sample is not None)
         require(

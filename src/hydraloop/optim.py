@@ -2,7 +2,8 @@
 
 The node is one optimizer (it has a `_target_`), over every parameter; or several by name, `optimizer.<name>`, each
 a node of its own with `modules`, the names of the submodules whose parameters it trains (a GAN's `[generator]` and
-`[discriminator]`). Every parameter belongs to exactly one of them. Internally one optimizer is named "".
+`[discriminator]`), and optionally a `scheduler` node of its own (else it follows the run's `scheduler`). Every
+parameter belongs to exactly one of them. Internally one optimizer is named "".
 
 Besides its optimizer's own arguments, the node may hold the keys below, which hydraloop reads and the optimizer
 never sees:
@@ -33,7 +34,13 @@ from torch.optim import Optimizer
 
 from hydraloop.errors import ConfigError, require
 
-GROUPING_KEYS = ("no_weight_decay", "no_weight_decay_names", "lr_scales", "modules")
+GROUPING_KEYS = ("no_weight_decay", "no_weight_decay_names", "lr_scales", "modules", "scheduler")
+
+
+def schedule_node(node: Any, scheduler: Any) -> Any:
+    """The schedule an optimizer follows: its own `scheduler` node (one of several may have one), else the run's."""
+    own = node.get("scheduler") if OmegaConf.is_dict(node) else None
+    return own if own is not None else scheduler
 
 
 def optimizer_nodes(node: Any) -> dict[str, Any]:

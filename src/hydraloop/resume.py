@@ -154,7 +154,7 @@ def _check_groups(checkpoint: dict[str, Any], cfg: Any, model: nn.Module, source
         if not saved_groups or saved_groups == groups:
             continue
         key = config_key(name)
-        values = {rule: nodes[name].get(rule) for rule in GROUPING_KEYS if rule != "modules"}
+        values = {rule: nodes[name].get(rule) for rule in GROUPING_KEYS if rule not in ("modules", "scheduler")}
         rules = ", ".join(
             f"{key}.{rule}={str(v).lower() if isinstance(v, bool) else shown_value(v)}" for rule, v in values.items()
         )
