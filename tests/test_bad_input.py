@@ -191,7 +191,10 @@ def test_run_directory_checkpoint_that_does_not_fit(run_train, checkpoint, tmp_p
         ),
         (["logger=[csv,foo]"], "logger=[csv,foo]: 'foo' is not an option of logger (csv, mlflow, none, tensorboard"),
         (["+experiment=text_gtp"], "+experiment=text_gtp: 'text_gtp' is not an option of experiment (diabetes_mlp,"),
-        (["-m", "optimizer=adamw,sgdd"], "optimizer=adamw,sgdd: 'sgdd' is not an option of optimizer (adamw, gan, sgd)"),
+        (
+            ["-m", "optimizer=adamw,sgdd"],
+            "optimizer=adamw,sgdd: 'sgdd' is not an option of optimizer (adamw, gan, sgd)",
+        ),
     ],
 )
 def test_unknown_group_option(run_train, tmp_path, overrides, message):
