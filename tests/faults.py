@@ -160,3 +160,12 @@ class BatchNormNaNMLP(RaisingMLP):
 
     def misbehave(self) -> None:
         pass
+
+
+def nan_ring(nan_rows: list[int], **ring):
+    """data=ring with NaN points at the training rows `nan_rows`: the discriminator's loss of their batch is NaN."""
+    from hydraloop.data.gaussians import make_ring
+
+    train, val = make_ring(**ring)
+    train.tensors[0][list(nan_rows)] = float("nan")
+    return train, val

@@ -66,6 +66,8 @@ def test_a_gan_trains_the_same_under_ddp_fsdp_accumulation_and_a_resume_under_an
     assert max_param_diff(expected["model"], start["model"]) > 1e-3  # it trained
 
 
+ADAM = "{_target_:torch.optim.Adam,_partial_:true,lr:0.0002,modules:[MODULE]}".replace("MODULE", "discriminator")
+
 # The generator follows a schedule of its own (a warm-up over 3 steps); the discriminator the run's (constant).
 OWN_SCHEDULE = (
     "+optimizer.generator.scheduler._target_=hydraloop.schedulers.cosine_with_warmup",
@@ -130,6 +132,19 @@ def _part(checkpoint: dict, prefix: str) -> dict:
         ),
         (["parallel=dataparallel"], "optimizer: several optimizers (generator, discriminator) train with"),
         (
+            ["~optimizer.discriminator", f"+optimizer.critic={ADAM}"],
+            "its optimizer_steps names 'discriminator', which the optimizer node does not have (it has generator, "
+            "critic)",
+        ),
+        (
+            [
+                "optimizer.discriminator.modules=[discriminator.0]",
+                f"+optimizer.head={ADAM.replace('MODULE', 'discriminator.2')}",
+            ],
+            "optimizer.head: task._target_=hydraloop.tasks.gan.AdversarialRing never steps it in its first 1000 steps",
+        ),
+        (["optimizer=adamw"], "its training_loss takes a loss per optimizer (optimizer=...), and the optimizer node"),
+        (
             [*OWN_SCHEDULE, "+optimizer.generator.scheduler.warmup_stepz=3"],
             "optimizer.generator.scheduler.warmup_stepz=3: hydraloop.schedulers.cosine_with_warmup takes no argument",
         ),
@@ -163,3 +178,21 @@ def test_a_checkpoint_of_other_optimizers_is_refused_in_one_line(run_train, tmp_
     assert f"optimizer.generator._target_=torch.optim.Adam: ckpt_path={other} holds torch.optim.SGD state" in (
         bad_input_line(run)
     )
+    path = gan.run_dir / "checkpoints" / "last.pt"
+    swapped = ("optimizer.generator.modules=[discriminator]", "optimizer.discriminator.modules=[generator]")
+    run = run_train(*GAN, *swapped, f"ckpt_path={path}", run_dir=tmp_path / "run3")
+    assert (
+        f"optimizer.generator.modules=['discriminator']: ckpt_path={path} holds its state for the modules "
+        "['generator']" in bad_input_line(run)
+    )
+
+
+def test_a_non_finite_pass_skips_the_step_for_every_optimizer_after_it(run_train):
+    """Row 50 is NaN: step 2's discriminator loss is NaN. The generator must not train against the discriminator
+    that step left as it was: both skip it."""
+    ring = ("data.dataset._target_=tests.faults.nan_ring", "+data.dataset.nan_rows=[50]", "data.shuffle=false")
+    run = run_train(*GAN, *ring, "data.batch_size=42", "trainer.nonfinite_loss=skip", "trainer.max_steps=6")
+    assert run.returncode == 0, run.output
+    assert run.metrics["skipped_steps"] == 1
+    steps = {name: int(state["state"][0]["step"]) for name, state in run.checkpoint()["optimizer"].items()}
+    assert steps == {"discriminator": 5, "generator": 5}

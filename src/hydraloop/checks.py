@@ -228,15 +228,47 @@ def _check_folds(data: Any) -> None:
 def check_task(cfg: Any, task: Any, callbacks: dict) -> None:
     """The task fits the data and model, and it or a callback reports `optimized_metric`."""
     task.check(cfg)
-    names = [name for name in optimizer_nodes(cfg.optimizer) if name]
-    require(
-        not names or "optimizer" in inspect.signature(task.training_loss).parameters,
-        f"optimizer: {' and '.join(f'optimizer.{name}' for name in names)} each need a loss of their own, and "
-        f"task._target_={cfg.task._target_} has one: its training_loss takes no optimizer argument (README: Several "
-        "optimizers)",
-    )
+    _check_optimizer_steps(cfg, task)
     metric, reported = cfg.optimized_metric, reported_metrics(task.reported_metrics(), callbacks)
     require(metric in reported, f"optimized_metric={metric}: the task reports {', '.join(reported)}")
+
+
+STEPS_ORDERED = 1000  # the steps whose order the launcher asks the task for: an optimizer it never names is bad input
+
+
+def _check_optimizer_steps(cfg: Any, task: Any) -> None:
+    """Several optimizers need a task with a loss per optimizer, that steps each of them (and no other); one optimizer
+    a task whose loss needs no optimizer's name."""
+    names = [name for name in optimizer_nodes(cfg.optimizer) if name]
+    takes = inspect.signature(task.training_loss).parameters.get("optimizer")
+    where = f"task._target_={cfg.task._target_}"
+    if not names:
+        require(
+            takes is None or takes.default is not inspect.Parameter.empty,
+            f"{where}: its training_loss takes a loss per optimizer (optimizer=...), and the optimizer node is one "
+            "optimizer: give several by name, as optimizer=gan does (README: Several optimizers)",
+        )
+        return
+    require(
+        takes is not None,
+        f"optimizer: {' and '.join(f'optimizer.{name}' for name in names)} each need a loss of their own, and "
+        f"{where} has one: its training_loss takes no optimizer argument (README: Several optimizers)",
+    )
+    stepped: set[str] = set()
+    for step in range(STEPS_ORDERED):
+        stepped.update(task.optimizer_steps(step, list(names)))
+    unknown = sorted(stepped - set(names))
+    require(
+        not unknown,
+        f"{where}: its optimizer_steps names {', '.join(map(repr, unknown))}, which the optimizer node does not have "
+        f"(it has {', '.join(names)})",
+    )
+    never = [name for name in names if name not in stepped]
+    require(
+        not never,
+        f"optimizer.{never[0] if never else ''}: {where} never steps it in its first {STEPS_ORDERED} steps (its "
+        f"optimizer_steps names {', '.join(sorted(stepped))}), so it would train nothing",
+    )
 
 
 def check_required(cfg: Any) -> None:

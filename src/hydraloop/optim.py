@@ -132,13 +132,20 @@ def check_optimizers(node: Any, model: nn.Module) -> None:
 def _check_part(name: str, sub: Any, model: nn.Module, claimed: dict[str, str]) -> None:
     key = config_key(name)
     require(
+        name.isidentifier(),
+        f"{key}: {name!r} cannot name an optimizer: a name is a key of the command line (optimizer.<name>.lr=...), "
+        "letters, digits and underscores",
+    )
+    require(
         OmegaConf.is_dict(sub) and "_target_" in sub,
         f"{key}={sub}: not an optimizer; with several, each is a node optimizer.<name> with a _target_ and the "
         "modules it trains (README: Several optimizers)",
     )
     modules = sub.get("modules")
     require(
-        OmegaConf.is_list(modules) and len(modules) > 0 and all(isinstance(module, str) for module in modules),
+        OmegaConf.is_list(modules)
+        and len(modules) > 0
+        and all(isinstance(module, str) and module for module in modules),
         f"{key}.modules={modules}: must be a list of the submodules it trains, e.g. [generator]",
     )
     children = [child for child, _ in model.named_children()]

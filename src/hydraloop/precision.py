@@ -28,9 +28,15 @@ class Precision:
         """Before gradient clipping, so the clip threshold applies to true gradients."""
         self.scaler.unscale_(optimizer)
 
-    def step(self, optimizer: Optimizer) -> None:
+    def step(self, optimizer: Optimizer, update: bool = True) -> None:
+        """`update`: the loss scale's update, once per optimizer step of the loop; with several optimizers the loop
+        calls `update` itself after the step's last one (as torch documents GradScaler for several optimizers)."""
         # With fp16 the scaler skips steps whose gradients overflowed (a host sync, inherent to loss scaling).
         self.scaler.step(optimizer)
+        if update:
+            self.scaler.update()
+
+    def update(self) -> None:
         self.scaler.update()
 
     def state_dict(self) -> dict:

@@ -143,6 +143,12 @@ def _check_optimizers(checkpoint: dict[str, Any], cfg: Any, source: str, hint: s
         saved_target = saved_nodes[name].get("_target_") if name in saved_nodes else None
         if saved_target and saved_target != node._target_:
             raise ConfigError(f"{config_key(name)}._target_={node._target_}: {source} holds {saved_target} state{hint}")
+        modules, saved_modules = (_plain(n.get("modules")) for n in (node, saved_nodes.get(name, node)))
+        if modules != saved_modules:  # parts of the same shapes would take each other's moments silently
+            raise ConfigError(
+                f"{config_key(name)}.modules={list(modules or [])}: {source} holds its state for the modules "
+                f"{list(saved_modules or [])}{hint}"
+            )
 
 
 def _check_groups(checkpoint: dict[str, Any], cfg: Any, model: nn.Module, source: str, hint: str) -> None:

@@ -12,7 +12,8 @@ With several optimizers (hydraloop.optim) a step is one such pass per optimizer 
 (`Task.optimizer_steps`: a GAN's discriminator, then its generator), each over the same batch with the task's loss for
 that optimizer (`training_loss(model, batch, optimizer=name)`), stepping that optimizer alone: the gradients of its
 parameters are reduced over the ranks (`reduce_gradients`), checked, clipped and scaled as one optimizer's are, and
-every gradient is cleared before the next pass. A pass skipped for a non-finite loss makes the step a skipped one.
+every gradient is cleared before the next pass. A pass with a non-finite loss (`trainer.nonfinite_loss=skip`) ends the
+step as a skipped one: its optimizer and those of the passes after it do not step (those before it have).
 """
 
 import math
@@ -68,11 +69,17 @@ class OptimizerStep:
         skipped for a non-finite loss."""
         if not self.several:
             return self.update("", batch, global_rows, step, 0)
-        total: Tensor | None = torch.zeros((), device=self.strategy.device)
-        for index, name in enumerate(self.task.optimizer_steps(step, self.names)):
-            loss = self.update(name, batch, global_rows, step, index)
-            total = None if loss is None or total is None else total + loss
-        return total
+        total, stepped = torch.zeros((), device=self.strategy.device), False
+        try:
+            for index, name in enumerate(self.task.optimizer_steps(step, self.names)):
+                loss = self.update(name, batch, global_rows, step, index)
+                if loss is None:  # the step ends here: no later pass trains against the part that was not updated
+                    return None
+                total, stepped = total + loss, True
+            return total
+        finally:
+            if stepped:
+                self.precision.update()  # the loss scale moves once per step, whatever its passes
 
     def update(self, name: str, batch: Any, global_rows: int, step: int, index: int) -> Tensor | None:
         """One optimizer's pass over the batch and its update; `index`: the pass's place in the step (its dropout
@@ -121,7 +128,7 @@ class OptimizerStep:
             # rank holds a shard (DTensor) of them, and clip_grad_norm_ takes the norm over all shards.
             self.precision.unscale_(optimizer)
             nn.utils.clip_grad_norm_(self.params[name], self.grad_clip_norm)
-        self.precision.step(optimizer)
+        self.precision.step(optimizer, update=not self.several)
         return loss_sum
 
     def micro_batches(self, batch: Any, global_rows: int) -> list[tuple[Any, int, int]]:
