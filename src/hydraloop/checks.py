@@ -123,7 +123,8 @@ def check_config(cfg: Any, world_size: int) -> None:
     batch_size = cfg.data.batch_size
     require(batch_size > 0, f"data.batch_size={batch_size}: must be positive")
     shape = list(cfg.data.input_shape)
-    require(all(size > 0 for size in shape), f"data.input_shape={shape}: every size must be positive")
+    sized_by = " (data.image_size sets the last two)" if "image_size" in cfg.data else ""
+    require(all(size > 0 for size in shape), f"data.input_shape={shape}: must be positive sizes{sized_by}")
     require(
         batch_size % world_size == 0,
         f"data.batch_size={batch_size}: not divisible by the world size {world_size} "

@@ -201,15 +201,17 @@ def finished_records(path: str | Path, cfg: Any) -> dict[str, Any] | None:
 def _changed_keys(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """`key=now (was: saved)` for each key of what defines the trained model and what is measured of it (data,
     model, task, optimizer, scheduler, seed, trainer, callbacks, optimized_metric) whose value differs between a
-    checkpoint's config and this run's."""
+    checkpoint's config and this run's. The budget (trainer.max_epochs, max_steps) is not one: the caller has found
+    the run done under this one (or stopped early)."""
     from hydraloop.loggers.base import flatten
 
     parts = ("data", "model", "task", "optimizer", "scheduler", "seed", "trainer", "callbacks", "optimized_metric")
+    budget = ("trainer.max_epochs", "trainer.max_steps")
     before, after = ({k: v for k, v in flatten(c).items() if k.split(".")[0] in parts} for c in (saved, now))
     return [
         f"{key}={after.get(key)} (was {before.get(key)})"
         for key in sorted(before.keys() | after.keys())
-        if before.get(key) != after.get(key)
+        if before.get(key) != after.get(key) and key not in budget
     ]
 
 
