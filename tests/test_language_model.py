@@ -151,6 +151,20 @@ def test_a_language_model_that_does_not_fit_its_data_is_refused(run_train, overr
     assert message in bad_input_line(run_train(*TINY, *overrides))
 
 
+def test_a_budget_in_tokens_sets_the_steps_and_is_refused_where_it_cannot_be_counted(run_train):
+    # 16 windows of 32 tokens a step: 3000 tokens take 6 steps (the last one past it).
+    run = run_train(*TINY, "trainer.max_steps=null", "trainer.max_tokens=3000")
+    assert run.returncode == 0, run.output
+    assert "trainer.max_tokens=3000: 6 steps of 512 tokens (16 x 32)" in run.output
+    assert run.metrics["global_step"] == 6 and run.checkpoint()["config"]["trainer"]["max_steps"] == 6
+    both = run_train(*TINY, "trainer.max_tokens=3000")
+    assert "trainer.max_tokens=3000, trainer.max_steps=12: give one or the other" in bad_input_line(both)
+    classes = run_train("trainer.max_tokens=3000")
+    assert "trainer.max_tokens=3000: a positive number of tokens, for a task that counts them" in bad_input_line(
+        classes
+    )
+
+
 def test_max_steps_below_the_steps_already_done_is_refused(run_train, tiny_single):
     ckpt = tiny_single.run_dir / "checkpoints" / "last.pt"
     line = bad_input_line(run_train(*TINY, "trainer.max_steps=5", f"ckpt_path={ckpt}"))

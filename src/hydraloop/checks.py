@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import difflib
 import inspect
+import logging
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +30,7 @@ from hydraloop.errors import ConfigError, require, unwrap_instantiation
 from hydraloop.optim import check_optimizers, config_key, optimizer_nodes, schedule_node
 
 PRECISIONS = ("32", "bf16", "fp16")
+log = logging.getLogger(__name__)
 
 
 def check_launch(cfg: Any, strategy: Any) -> Any:
@@ -39,6 +41,7 @@ def check_launch(cfg: Any, strategy: Any) -> Any:
 
     check_config(cfg, strategy.world_size)
     check_arguments(cfg)
+    apply_token_budget(cfg)
     if cfg.data.check:  # before the task's checks: an image folder that is missing explains its 0 classes
         _built(cfg, "data.check")
     task = instantiate(cfg.task)
@@ -61,6 +64,33 @@ def check_launch(cfg: Any, strategy: Any) -> Any:
     strategy.check(cfg)
     build_logger(cfg.logger)  # its settings and package; writes nothing yet
     return task
+
+
+def apply_token_budget(cfg: Any) -> None:
+    """`trainer.max_tokens`: sets `trainer.max_steps` (in the config every rank gets and every checkpoint keeps) to
+    the optimizer steps of `data.batch_size` samples of the task's tokens that reach it, and says so."""
+    tokens = cfg.trainer.max_tokens
+    if tokens is None:
+        return
+    require(
+        cfg.trainer.max_steps is None,
+        f"trainer.max_tokens={tokens}, trainer.max_steps={cfg.trainer.max_steps}: give one or the other",
+    )
+    per_sample = instantiate(cfg.task).tokens_per_sample
+    require(
+        isinstance(tokens, int) and tokens > 0 and per_sample,
+        f"trainer.max_tokens={tokens}: a positive number of tokens, for a task that counts them (task=language_model)",
+    )
+    per_step = cfg.data.batch_size * per_sample
+    cfg.trainer.max_steps = math.ceil(tokens / per_step)
+    log.info(
+        "trainer.max_tokens=%d: %d steps of %d tokens (%d x %d)",
+        tokens,
+        cfg.trainer.max_steps,
+        per_step,
+        cfg.data.batch_size,
+        per_sample,
+    )
 
 
 def check_data(cfg: Any, task: Any) -> None:

@@ -33,6 +33,9 @@ class TrainerConfig:
     max_steps: int | None = None
     """Optimizer steps to train in all (mid-epoch if need be), the total including those already done when resuming;
     schedulers plan for it. null: `max_epochs` decides."""
+    max_tokens: int | None = None
+    """Or tokens to train in all, for a task that counts them (language_model): the launcher sets `max_steps` to the
+    steps of `data.batch_size` x the tokens of a sample that reach it (hydraloop.checks.apply_token_budget)."""
     val_every_n_steps: int | None = None
     """Also validate (and keep checkpoints/best.pt) every this many steps, besides each epoch end; null: epoch ends."""
     ckpt_every_n_steps: int | None = None
