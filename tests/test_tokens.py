@@ -3,6 +3,7 @@ trains on the same tokens; random windows are exact under ddp, fsdp, accumulatio
 draw is the same under 1 and 2 ranks; memory stays flat in the corpus size; bad files are one line."""
 
 import json
+import pickle
 import shutil
 import subprocess
 import sys
@@ -49,6 +50,27 @@ def test_strided_token_files_train_what_data_text_trains_on_the_same_tokens(run_
     assert max_param_diff(tokens.checkpoint()["model"], text.checkpoint()["model"]) == 0
     assert tokens.metrics["val/loss"] == text.metrics["val/loss"]
     assert tokens.checkpoint()["config"]["data"]["tokenizer"]["vocab"] == text.checkpoint()["config"]["data"]["vocab"]
+
+
+def test_a_nanogpt_folder_with_its_meta_pkl_trains_as_the_same_tokens_with_meta_json(run_train, char_tokens, tmp_path):
+    """nanoGPT's char-level prepare.py writes train.bin, val.bin (uint16) and meta.pkl (vocab_size, itos, stoi)."""
+    nanogpt = tmp_path / "shakespeare_char"
+    nanogpt.mkdir()
+    for split in ("train", "val"):
+        shutil.copy(char_tokens / f"{split}.bin", nanogpt / f"{split}.bin")
+    vocab = json.loads((char_tokens / "meta.json").read_text())["tokenizer"]["vocab"]
+    itos = dict(enumerate(vocab))
+    meta = {"vocab_size": len(vocab), "itos": itos, "stoi": {c: i for i, c in itos.items()}}
+    (nanogpt / "meta.pkl").write_bytes(pickle.dumps(meta))
+    runs = [run_train(*GPT, "data=tokens", f"data.dataset.dir={folder}") for folder in (char_tokens, nanogpt)]
+    assert all(run.returncode == 0 for run in runs), runs[1].output
+    assert max_param_diff(runs[0].checkpoint()["model"], runs[1].checkpoint()["model"]) == 0
+    # A pickle that names a function (which unpickling would call) is refused, not run.
+    (nanogpt / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 2, "itos": print}))
+    line = bad_input_line(run_train(*GPT, "data=tokens", f"data.dataset.dir={nanogpt}", run_dir=tmp_path / "r"))
+    assert (
+        f"data.dataset.dir={nanogpt}: meta.pkl is not a plain pickle of a vocabulary (it names builtins.print)" in line
+    )
 
 
 def test_preparing_again_leaves_the_folder_and_another_corpus_is_refused(train_env, char_tokens, tmp_path):
@@ -172,7 +194,7 @@ def spoiled(folder, tmp_path, how: str):
 
 
 SPOILED = [
-    ("no meta", "no meta.json (a folder prepared by scripts/prepare_text.py has one)"),
+    ("no meta", "no meta.json (a folder prepared by scripts/prepare_text.py has one;"),
     ("no val", ": no val.bin"),
     ("odd bytes", "train.bin has 754439 bytes, not a whole number of uint16 tokens"),
     ("ids past the vocabulary", "token id 35 at position 0 of train.bin is not below vocab_size=10 (meta.json)"),

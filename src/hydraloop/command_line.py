@@ -254,6 +254,9 @@ def resolved(cfg: Any) -> Any:
     try:
         return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True), flags={"struct": True})
     except OmegaConfBaseException as error:
+        own = next((e for e in _causes(error) if isinstance(e, ConfigError)), None)
+        if own is not None:  # a resolver's own refusal (token_meta: a folder without meta.json), one line already
+            raise ConfigError(first_line(own)) from None
         key = getattr(error, "full_key", None) or "the config"
         raise ConfigError(f"{key}: cannot resolve its value ({first_line(error)})") from None
 

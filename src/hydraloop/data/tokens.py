@@ -21,6 +21,7 @@ import functools
 import hashlib
 import json
 import mmap
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from hydraloop.errors import ConfigError
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 SPLITS = ("train", "val")
 META = "meta.json"
+NANOGPT_META = "meta.pkl"
 CHECKED_CHUNKS = 16  # spread over each file: the ids the launcher reads to check them against the vocabulary
 CHUNK_TOKENS = 1 << 16
 
@@ -45,19 +47,50 @@ def read_meta(folder: str | Path) -> dict[str, Any]:
     path = Path(str(folder)) / META
     if not Path(str(folder)).is_dir():
         raise ConfigError(f"{where}: no such folder (prepare one: python scripts/prepare_text.py <text> <folder>)")
+    if not path.is_file() and (Path(str(folder)) / NANOGPT_META).is_file():
+        path = Path(str(folder)) / NANOGPT_META  # a folder of nanoGPT's own prepare.py
     if not path.is_file():
-        raise ConfigError(f"{where}: no {META} (a folder prepared by scripts/prepare_text.py has one)")
+        raise ConfigError(
+            f"{where}: no {META} (a folder prepared by scripts/prepare_text.py has one; nanoGPT's char-level "
+            f"prepare.py writes {NANOGPT_META}, also read)"
+        )
     stamp = path.stat().st_mtime_ns
-    return _read_meta(str(folder), stamp)
+    return _read_meta(str(folder), path.name, stamp)
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Dicts, strings and numbers only: a pickle that names any class or function (which unpickling would run) is
+    refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"it names {module}.{name}")
+
+
+def _nanogpt_meta(folder: str) -> dict[str, Any]:
+    """nanoGPT's meta.pkl ({vocab_size, itos, stoi} of a character vocabulary; ids in uint16) as meta.json's form."""
+    where = f"data.dataset.dir={folder}"
+    try:
+        with open(Path(folder) / NANOGPT_META, "rb") as file:
+            meta = _PlainUnpickler(file).load()
+    except (OSError, pickle.UnpicklingError, EOFError, ValueError) as error:
+        raise ConfigError(f"{where}: {NANOGPT_META} is not a plain pickle of a vocabulary ({error})") from None
+    itos, size = (meta.get("itos"), meta.get("vocab_size")) if isinstance(meta, dict) else (None, None)
+    chars = [itos.get(i) for i in range(size)] if isinstance(itos, dict) and type(size) is int else []
+    if not chars or not all(isinstance(char, str) and len(char) == 1 for char in chars):
+        raise ConfigError(f"{where}: {NANOGPT_META} holds no character vocabulary (vocab_size and itos, as nanoGPT's)")
+    return {"dtype": "uint16", "vocab_size": size, "tokenizer": {"kind": "char", "vocab": "".join(chars)}}
 
 
 @functools.lru_cache(maxsize=16)
-def _read_meta(folder: str, stamp: int) -> dict[str, Any]:
+def _read_meta(folder: str, name: str, stamp: int) -> dict[str, Any]:
     where = f"data.dataset.dir={folder}"
-    try:
-        meta = json.loads((Path(folder) / META).read_text())
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"{where}: {META} is not readable JSON ({type(error).__name__})") from None
+    if name == META:
+        try:
+            meta = json.loads((Path(folder) / META).read_text())
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"{where}: {META} is not readable JSON ({type(error).__name__})") from None
+    else:
+        meta = _nanogpt_meta(folder)
     if not isinstance(meta, dict):
         raise ConfigError(f"{where}: {META} holds {type(meta).__name__}, not an object of dtype, vocab_size, tokenizer")
     dtype, vocab_size, tokenizer = meta.get("dtype"), meta.get("vocab_size"), meta.get("tokenizer")
