@@ -1,7 +1,7 @@
 """Tokenizes a text file, or a folder of them, into the token files data=tokens memory-maps.
 
     python scripts/prepare_text.py SOURCE OUT [--tokenizer char|byte|bpe|PATH] [--vocab-size 4096]
-                                             [--val-fraction 0.1] [--overwrite]
+                                             [--val-fraction 0.1] [--overwrite] [--processes N]
 
 SOURCE: a text file, or a folder whose *.txt files (recursively, in sorted order) are read one after another.
 OUT gets train.bin and val.bin (flat uint16 token ids, uint32 for vocabularies over 65,535) and meta.json; the last
@@ -13,7 +13,8 @@ val_fraction of the tokens is val, as data=text splits. Tokenizers:
 - PATH: a Hugging Face tokenizer, a tokenizer.json or a model folder holding one (GPT-2's, say), never downloaded.
 
 It streams: the sources are read a batch of lines at a time and written as they are encoded, so a corpus larger than
-memory works; bpe and Hugging Face tokenizers encode each batch on every core (the tokenizers library's threads). A
+memory works; char and byte batches are encoded by --processes worker processes (default: the cores, up to 8), bpe
+and Hugging Face tokenizers encode each batch on every core (the tokenizers library's threads). A
 progress bar counts what has been read (characters; bytes for --tokenizer byte), against the sources' size in bytes.
 The files are written beside OUT and renamed into place at the end; rerun with the same sources (sizes and
 modification times) and settings, it leaves OUT as it is. OUT holding another corpus's token files is refused,
@@ -23,6 +24,7 @@ unless --overwrite (which replaces those files, and no others).
 import argparse
 import hashlib
 import json
+import multiprocessing
 import os
 import shutil
 import sys
@@ -135,6 +137,22 @@ class Tokenizer:
         return np.fromiter((i for e in self.hf.encode_batch(batch) for i in e.ids), dtype=np.int64)
 
 
+def encoded(tokenizer: Tokenizer, batches: Iterator[list], processes: int) -> Iterator[np.ndarray]:
+    """Each batch's ids, in order. Characters and bytes are encoded by `processes` worker processes, a window of
+    batches at a time (memory stays bounded); a Hugging Face tokenizer encodes each batch with its own threads."""
+    if processes <= 1 or tokenizer.kind not in ("char", "byte"):
+        yield from map(tokenizer.encode, batches)
+        return
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+        window: list[list] = []
+        for batch in batches:
+            window.append(batch)
+            if len(window) == 2 * processes:
+                yield from pool.map(tokenizer.encode, window)
+                window = []
+        yield from pool.map(tokenizer.encode, window)
+
+
 def fingerprint(files: list[Path], args) -> dict:
     """What makes OUT what it is: the sources as found, and the settings."""
     stamp = lambda path: [str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns]  # noqa: E731
@@ -196,8 +214,9 @@ def prepare(source: Path, out: Path, args) -> str:
                 total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", disable=not sys.stderr.isatty()
             ) as progress,
         ):
-            for batch in line_batches(files, progress, binary=tokenizer.binary):
-                ids = tokenizer.encode(batch).astype(dtype)
+            batches = line_batches(files, progress, binary=tokenizer.binary)
+            for ids in encoded(tokenizer, batches, getattr(args, "processes", 1)):
+                ids = ids.astype(dtype)
                 all_tokens.write(ids.tobytes())
                 count += ids.size
         num_train = int(count * (1 - args.val_fraction))
@@ -259,7 +278,12 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=None, help="--tokenizer bpe: tokens in the vocabulary")
     parser.add_argument("--val-fraction", type=float, default=0.1, help="the last fraction of tokens is val")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT's token files of another corpus")
+    parser.add_argument(
+        "--processes", type=int, default=min(8, os.cpu_count() or 1), help="char, byte: encoding processes"
+    )
     args = parser.parse_args()
+    if args.processes < 1:
+        parser.error(f"--processes {args.processes}: must be at least 1")
     if not 0 < args.val_fraction < 1:
         parser.error(f"--val-fraction {args.val_fraction}: must be between 0 and 1")
     try:

@@ -73,6 +73,19 @@ def test_a_nanogpt_folder_with_its_meta_pkl_trains_as_the_same_tokens_with_meta_
     )
 
 
+def test_several_processes_encode_the_same_token_files_as_one(train_env, tmp_path):
+    text = tmp_path / "corpus.txt"
+    lines = [f"line {i}: {'abcdefghij' * (i % 7)} é\n" for i in range(60000)]
+    text.write_text("".join(lines))  # about 3 MB: batches of 1 MB for the processes to share
+    for tokenizer in ("char", "byte"):
+        outs = [tmp_path / f"{tokenizer}{n}" for n in (1, 3)]
+        for out, n in zip(outs, (1, 3)):
+            done = prepare(text, out, "--tokenizer", tokenizer, "--processes", str(n), env=train_env)
+            assert done.returncode == 0, done.stderr
+        for name in ("train.bin", "val.bin", "meta.json"):
+            assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), (tokenizer, name)
+
+
 def test_preparing_again_leaves_the_folder_and_another_corpus_is_refused(train_env, char_tokens, tmp_path):
     before = {path.name: path.stat().st_mtime_ns for path in char_tokens.iterdir()}
     again = prepare(corpus_path(None), char_tokens, env=train_env)
