@@ -3,7 +3,9 @@
     python scripts/prepare_text.py SOURCE OUT [--tokenizer char|byte|bpe|PATH] [--vocab-size 4096]
                                              [--val-fraction 0.1] [--overwrite] [--processes N]
 
-SOURCE: a text file, or a folder whose *.txt files (recursively, in sorted order) are read one after another.
+SOURCE: a text file (or a .gz of one), or a folder whose *.txt files (recursively, in sorted order) are read one
+after another. The bundled complete works of Shakespeare, src/hydraloop/data/corpora/shakespeare_complete.txt.gz,
+are one such file (see that folder's README.md).
 OUT gets train.bin and val.bin (flat uint16 token ids, uint32 for vocabularies over 65,535) and meta.json; the last
 val_fraction of the tokens is val, as data=text splits. Tokenizers:
 - char: the sources' distinct characters in code-point order (data=text's char level: the same ids);
@@ -22,6 +24,7 @@ unless --overwrite (which replaces those files, and no others).
 """
 
 import argparse
+import gzip
 import hashlib
 import json
 import multiprocessing
@@ -52,11 +55,27 @@ def sources(source: Path) -> list[Path]:
     return files
 
 
+def opened(file: Path, binary: bool):
+    """A source to read: a `.gz` file decompressed as it is read (the bundled complete works are one)."""
+    if file.suffix == ".gz":
+        return gzip.open(file, "rb") if binary else gzip.open(file, "rt", encoding="utf-8", newline="")
+    return file.open("rb") if binary else file.open(encoding="utf-8", newline="")
+
+
+def source_bytes(file: Path) -> int:
+    """A source's size as read: a gzip file's own record of its uncompressed size (modulo 2**32)."""
+    if file.suffix != ".gz":
+        return file.stat().st_size
+    with file.open("rb") as raw:
+        raw.seek(-4, os.SEEK_END)
+        return int.from_bytes(raw.read(4), "little")
+
+
 def line_batches(files: list[Path], progress: tqdm | None = None, binary: bool = False) -> Iterator[list]:
     """The sources in batches of whole lines (a BPE never sees a word cut in two), about BATCH_BYTES each: text, or
     with `binary` the bytes as they are (--tokenizer byte reads any file)."""
     for file in files:
-        with file.open("rb") if binary else file.open(encoding="utf-8", newline="") as lines:
+        with opened(file, binary) as lines:
             batch, size = [], 0
             try:
                 for line in lines:
@@ -206,7 +225,7 @@ def prepare(source: Path, out: Path, args) -> str:
     try:
         tokenizer = Tokenizer(args.tokenizer, files, args.vocab_size, tmp)
         dtype = np.uint16 if tokenizer.size <= 1 << 16 else np.uint32
-        total_bytes = sum(file.stat().st_size for file in files)
+        total_bytes = sum(source_bytes(file) for file in files)
         count = 0
         with (
             (tmp / "all.bin").open("wb") as all_tokens,

@@ -46,6 +46,7 @@ NEEDS = {  # the values an option requires (???), or the data it is meant for
     "data=tokens": ["data.dataset.dir=TOKENS", "model=gpt", "task=language_model"],
     "experiment=nanogpt_shakespeare_char_cpu": ["data.dataset.dir=TOKENS"],
     "experiment=gpt2_124m": ["data.dataset.dir=TOKENS"],
+    "experiment=shakespeare_bpe": ["data.dataset.dir=TOKENS"],
     "task=adversarial_ring": ["data=ring", "model=gan", "optimizer=gan"],
 }
 

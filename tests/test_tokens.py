@@ -3,6 +3,7 @@ trains on the same tokens; random windows are exact under ddp, fsdp, accumulatio
 draw is the same under 1 and 2 ranks; memory stays flat in the corpus size; bad files are one line."""
 
 import json
+import math
 import pickle
 import shutil
 import subprocess
@@ -269,6 +270,26 @@ def test_nanogpts_cpu_recipe_takes_its_first_steps_on_the_bundled_plays(run_trai
 
 
 @pytest.mark.slow
+def test_the_complete_works_bpe_recipe_takes_its_first_steps_on_the_bundled_corpus(run_train, train_env, tmp_path):
+    """The documented command on the bundled .gz, then experiment=shakespeare_bpe's first steps, under ddp."""
+    corpus = REPO / "src" / "hydraloop" / "data" / "corpora" / "shakespeare_complete.txt.gz"
+    done = prepare(corpus, tmp_path / "bpe", "--tokenizer", "bpe", "--vocab-size", "2048", env=train_env)
+    assert done.returncode == 0, done.stderr
+    meta = json.loads((tmp_path / "bpe" / "meta.json").read_text())
+    assert meta["vocab_size"] == 2048 and sum(meta["tokens"].values()) > 1_500_000  # 5 MB of text, all read
+    run = run_train(
+        "experiment=shakespeare_bpe",
+        f"data.dataset.dir={tmp_path / 'bpe'}",
+        "trainer.max_steps=4",
+        "scheduler.warmup_steps=2",
+        "data.dataset.val_windows=64",
+        "parallel=ddp",
+        "logger=none",
+    )
+    assert run.returncode == 0, run.output
+    assert run.metrics["global_step"] == 4 and run.metrics["val/loss"] < math.log(2048) + 0.5
+
+
 def test_the_gpt2_recipe_takes_its_first_steps_under_ddp_with_accumulation_and_bf16(run_train, token_folder):
     """GPT-2 124M's settings on 2 CPU ranks, but 2 of its 12 layers and 64 of its 1024 positions: the first steps."""
     run = run_train(
