@@ -160,16 +160,18 @@ def _import_target(dotted: str, key: str) -> Any:
     raise ConfigError(f"{key}={dotted}: cannot import it: {reason}")
 
 
-def check_model(model: Any) -> None:
+def check_model(model: Any) -> torch.nn.Module | None:
     """The model's checks of its values (an unknown torchvision arch, named weights not in the cache, a GPT's n_embd
     that does not split into heads, a dropout of 1.5), before any rank starts: its constructor, run on the meta
     device, which allocates nothing. Only bad input is reported here (a ConfigError, or a ValueError, see _refusal);
-    whatever else a constructor cannot do on the meta device, the ranks meet for real."""
+    whatever else a constructor cannot do on the meta device, the ranks meet for real. Returns the model built there
+    (None where it could not be built)."""
     try:
         with torch.device("meta"):
-            instantiate(model)
+            return instantiate(model)
     except Exception as error:  # noqa: BLE001  see above
         raise_refusal("model", model, unwrap_instantiation(error))
+        return None
 
 
 def check_optimization(optimizer: Any, scheduler: Any, max_steps: int | None = None, key: str = "optimizer") -> None:

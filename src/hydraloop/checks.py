@@ -27,6 +27,7 @@ from hydraloop.arguments import check_arguments, check_model, check_optimization
 from hydraloop.batches import check_leaves, count_rows, map_tensors
 from hydraloop.callbacks import build_callbacks, reported_metrics
 from hydraloop.errors import ConfigError, require, unwrap_instantiation
+from hydraloop.keyed_dropout import has_plain_dropout
 from hydraloop.optim import check_optimizers, config_key, optimizer_nodes, schedule_node
 
 PRECISIONS = ("32", "bf16", "fp16")
@@ -48,10 +49,10 @@ def check_launch(cfg: Any, strategy: Any) -> Any:
     check_task(cfg, task, build_callbacks(cfg.callbacks))
     if not cfg.data.check:
         check_data(cfg, task)
-    check_model(cfg.model)
-    if cfg.mode == "train":
-        with torch.device("meta"):
-            check_optimizers(cfg.optimizer, instantiate(cfg.model))
+    model = check_model(cfg.model)
+    if cfg.mode == "train" and model is not None:
+        check_optimizers(cfg.optimizer, model)
+        warn_plain_dropout(model, strategy.world_size, cfg.trainer.grad_accum_steps)
     for name, node in optimizer_nodes(cfg.optimizer).items():
         check_optimization(node, schedule_node(node, cfg.scheduler), cfg.trainer.max_steps, config_key(name))
     if cfg.mode == "predict":  # the file fits the model, and gives every rank an input
@@ -64,6 +65,19 @@ def check_launch(cfg: Any, strategy: Any) -> Any:
     strategy.check(cfg)
     build_logger(cfg.logger)  # its settings and package; writes nothing yet
     return task
+
+
+def warn_plain_dropout(model: torch.nn.Module, world_size: int, grad_accum_steps: int) -> None:
+    """One line when the batch is split (ranks, micro-batches) and the model's dropout draws from torch's generator:
+    its masks then depend on the split, and this run will not equal the same run on one process in one batch."""
+    if (world_size > 1 or grad_accum_steps > 1) and has_plain_dropout(model):
+        log.warning(
+            "the model has nn.Dropout, whose masks depend on how the batch is split (%d rank(s), grad_accum_steps=%d):"
+            " this run will not equal single-process training; hydraloop.keyed_dropout.KeyedDropout draws the same"
+            " masks under every split (model=hf: model.keyed_dropout=true)",
+            world_size,
+            grad_accum_steps,
+        )
 
 
 def apply_token_budget(cfg: Any) -> None:

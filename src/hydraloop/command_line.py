@@ -201,6 +201,10 @@ def _causes(error: BaseException | None) -> Iterator[BaseException]:
         error = error.__cause__ or error.__context__
 
 
+FREE_GROUPS = ("model", "optimizer", "scheduler")
+"""Groups whose keys are their constructors' (the schema's type for them is Any): a key of one's own is added."""
+
+
 def _reason(error: OmegaConfBaseException, key: str) -> str:
     """What an OmegaConf error says, as a reason: the key that does not exist (and the closest one), or the type."""
     text = first_line(error)
@@ -210,6 +214,8 @@ def _reason(error: OmegaConfBaseException, key: str) -> str:
         keys = [str(k) for k in node] if OmegaConf.is_dict(node) else []
         close = difflib.get_close_matches(name, keys, n=1)
         hint = f"; did you mean {parent + '.' if parent else ''}{close[0]}?" if close else ""
+        if not close and key.split(".")[0] in FREE_GROUPS:  # keys its constructor takes, not the schema's
+            hint = f"; a key it lacks is added with a +: +{key}=..."
         return f"{parent or 'the config'} has no key {name!r}{hint}"
     for needle, reason in (
         ("could not be converted to Integer", "must be an integer"),

@@ -77,7 +77,7 @@ class RowKeys:
             self.local_rows = torch.arange(rows, dtype=torch.int64, device=self.device)
             self.global_rows = torch.empty_like(self.local_rows)
         # No host-to-device copy: a fill and a multiply-add with Python numbers as kernel arguments.
-        self.step_key.fill_(_mix_int(self.seed_key + step + (pass_index << 40)))
+        self.step_key.fill_(mix_int(self.seed_key + step + (pass_index << 40)))
         torch.add(self.local_rows * self.world_size, self.rank + self.world_size * first_row, out=self.global_rows)
         return rows_of(self.global_rows, self.step_key)
 
@@ -91,22 +91,37 @@ class KeyedDropout(nn.Module):
         if not 0.0 <= p < 1.0:
             raise ValueError(f"dropout probability {p}: must be in [0, 1)")
         self.p, self.key = p, key
-        self.key_term = _mix_int(key)  # tells the layers' masks apart
+        self.key_term = mix_int(key)  # tells the layers' masks apart
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.training or self.p == 0.0:
             return x
-        keys = current_rows()
-        if keys is None:
-            return F.dropout(x, self.p, training=True)
-        rows, step_key = keys
-        per_row = math.prod(x.shape[1:])  # x[0] would fail on a rank's empty micro-batch
-        elements = rows[:, None] * per_row + torch.arange(per_row, dtype=torch.int64, device=x.device)
-        keep = _uniform(_mix(elements + step_key * _GOLDEN + self.key_term)) >= self.p
-        return x * keep.view(x.shape).to(x.dtype) / (1.0 - self.p)
+        return keyed_dropout(x, self.p, self.key_term)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, key={self.key}"
+
+
+def has_plain_dropout(model: nn.Module) -> bool:
+    """Whether `model` draws dropout masks from torch's generator: an nn.Dropout (or Dropout2d, AlphaDropout...)
+    with p > 0, whose masks differ between a whole batch, its micro-batches and its ranks' shards."""
+    return any(
+        isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0 and module.training
+        for module in model.modules()
+    )
+
+
+def keyed_dropout(x: Tensor, p: float, key_term: int) -> Tensor:
+    """Dropout of `x` (rows first) in training: keyed by the loop's rows where it set them, else plain F.dropout.
+    `key_term` is `mix_int` of the layer's key (KeyedDropout's; models/hf.py's for attention weights)."""
+    keys = current_rows()
+    if keys is None:
+        return F.dropout(x, p, training=True)
+    rows, step_key = keys
+    per_row = math.prod(x.shape[1:])  # x[0] would fail on a rank's empty micro-batch
+    elements = rows[:, None] * per_row + torch.arange(per_row, dtype=torch.int64, device=x.device)
+    keep = _uniform(_mix(elements + step_key * _GOLDEN + key_term)) >= p
+    return x * keep.view(x.shape).to(x.dtype) / (1.0 - p)
 
 
 def _mix(z: Tensor) -> Tensor:
@@ -123,7 +138,7 @@ def _uniform(z: Tensor) -> Tensor:
     return ((z >> 40) & 0xFFFFFF).to(torch.float32) * (1.0 / (1 << 24))
 
 
-def _mix_int(z: int) -> int:
+def mix_int(z: int) -> int:
     """`_mix` of one Python integer, as a signed 64-bit value: the step's key, computed on the host."""
     z &= _MASK64
     z ^= z >> 30

@@ -1,0 +1,210 @@
+"""A Hugging Face transformers model by Auto class: `model=hf model.name_or_path=FOLDER` (the `hf` extra).
+
+`name_or_path` is a folder written by `save_pretrained`, or a name already in the Hugging Face cache ($HF_HOME/hub):
+hydraloop never downloads at run time, and a model that is in neither is one line saying what to fetch where.
+`from_config=true` (or `model_type` alone, e.g. `model.model_type=gpt2`) builds the architecture with fresh weights,
+with `model.config.*` overriding its config (`model.config.n_layer=2`). The model is the transformers model itself,
+so checkpoints hold its own keys and the task calls it as Hugging Face documents (input ids, or a dict batch by
+keyword), reading `logits` from its output.
+
+Dropout. A transformers model draws its dropout masks with torch's generator (nn.Dropout, and functional dropout on
+the attention weights), so single-process training, ddp and accumulation would each compute different weights.
+`keyed_dropout=true` (the default) replaces every nn.Dropout with hydraloop's KeyedDropout and computes attention
+through `hydraloop_keyed`, an attention function whose dropout is keyed the same way (hydraloop.keyed_dropout):
+every strategy then trains the same weights. It computes attention with torch's scaled_dot_product_attention when no
+dropout applies (evaluation, or no attention dropout), and otherwise explicitly (softmax, then the keyed mask).
+"""
+
+import difflib
+import importlib.util
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from hydraloop.errors import ConfigError, require
+from hydraloop.keyed_dropout import KeyedDropout, keyed_dropout, mix_int
+
+log = logging.getLogger(__name__)
+KEYED_ATTENTION = "hydraloop_keyed"
+
+
+def hf_model(
+    auto_class: str = "AutoModelForCausalLM",
+    name_or_path: str | None = None,
+    model_type: str | None = None,
+    from_config: bool = False,
+    config: dict[str, Any] | None = None,
+    num_labels: int | None = None,
+    vocab_size: int | None = None,
+    block_size: int | None = None,
+    keyed_dropout: bool = True,
+    gradient_checkpointing: bool = False,
+) -> nn.Module:
+    """The transformers model `auto_class` names, from `name_or_path` (its weights) or `model_type` (fresh). With
+    fresh weights, `vocab_size` (the data's) sizes the embeddings unless `config` sets it; `num_labels` goes to the
+    config (a classifier's head); `block_size` (the data's) is checked against the model's positions."""
+    transformers = import_transformers()
+    auto = _auto_class(transformers, auto_class)
+    overrides = dict(config or {})
+    fresh = from_config or name_or_path is None
+    if num_labels is not None:
+        overrides.setdefault("num_labels", num_labels)
+    if fresh and vocab_size is not None:
+        overrides.setdefault("vocab_size", vocab_size)
+    model_config = _config(transformers, name_or_path, model_type, overrides)
+    _check_sizes(model_config, vocab_size, block_size)
+    attention = {"attn_implementation": KEYED_ATTENTION} if keyed_dropout else {}
+    if keyed_dropout:
+        register_keyed_attention()
+    # The launcher's check (checks.check_model) runs on the meta device: the architecture is enough, weights unread.
+    if fresh or torch.get_default_device().type == "meta":
+        model = auto.from_config(model_config, **attention)
+    else:
+        model = auto.from_pretrained(
+            name_or_path, config=model_config, local_files_only=True, ignore_mismatched_sizes=True, **attention
+        )
+    if keyed_dropout:
+        use_keyed_dropout(model)
+    if gradient_checkpointing:
+        require(
+            model.supports_gradient_checkpointing,
+            f"model.gradient_checkpointing=true: {type(model).__name__} does not support it",
+        )
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def import_transformers() -> Any:
+    """The transformers module, or one line naming the extra that installs it."""
+    if importlib.util.find_spec("transformers") is None:
+        raise ConfigError(
+            "model=hf: needs the transformers package, which is not installed; pip install 'hydraloop[hf]'"
+        )
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # its notes on fresh heads and unused weights: hydraloop logs its own
+    return transformers
+
+
+def _auto_class(transformers: Any, name: str) -> Any:
+    names = [key for key in dir(transformers) if key.startswith("AutoModel")]
+    if name not in names:
+        closest = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
+        raise ConfigError(
+            f"model.auto_class={name}: not a transformers Auto class; "
+            + (f"closest: {', '.join(closest)}" if closest else "e.g. AutoModelForCausalLM, AutoModelForMaskedLM")
+        )
+    return getattr(transformers, name)
+
+
+def _config(transformers: Any, name_or_path: str | None, model_type: str | None, overrides: dict) -> Any:
+    if name_or_path is None:
+        require(
+            model_type is not None,
+            "model.name_or_path=null, model.model_type=null: give a folder or cached name, "
+            "or a model_type (e.g. gpt2) to build from a config",
+        )
+        types = list(transformers.CONFIG_MAPPING.keys())
+        if model_type not in types:
+            closest = ", ".join(difflib.get_close_matches(model_type, types, n=3, cutoff=0.5)) or "none close"
+            raise ConfigError(f"model.model_type={model_type}: not a transformers model type; closest: {closest}")
+        return _with_overrides(transformers.AutoConfig.for_model(model_type), overrides)
+    try:
+        loaded = transformers.AutoConfig.from_pretrained(name_or_path, local_files_only=True)
+    except OSError:
+        raise ConfigError(_not_found(name_or_path)) from None
+    return _with_overrides(loaded, overrides)
+
+
+def _with_overrides(config: Any, overrides: dict) -> Any:
+    unknown = [key for key in overrides if key not in ("num_labels", "vocab_size") and not hasattr(config, key)]
+    require(
+        not unknown,
+        f"model.config.{unknown[0] if unknown else ''}: not a setting of {type(config).__name__}",
+    )
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def _not_found(name_or_path: str) -> str:
+    """The one line for a model neither in a local folder nor in the cache, saying what to fetch where."""
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    if Path(name_or_path).exists():
+        return f"model.name_or_path={name_or_path}: the folder has no config.json (a folder save_pretrained wrote has)"
+    return (
+        f"model.name_or_path={name_or_path}: not a local folder, and not in the Hugging Face cache ({HF_HUB_CACHE}); "
+        f"hydraloop never downloads at run time: where there is a network, `hf download {name_or_path}` fills that "
+        "cache (copy it here, or point HF_HOME at a copy), or save_pretrained writes a folder to give instead"
+    )
+
+
+def _check_sizes(config: Any, vocab_size: int | None, block_size: int | None) -> None:
+    positions = getattr(config, "max_position_embeddings", None)
+    require(
+        block_size is None or positions is None or block_size <= positions,
+        f"data.block_size={block_size}: longer than the model's {positions} positions (max_position_embeddings in "
+        "its config)",
+    )
+    own_vocab = getattr(config, "vocab_size", None)
+    require(
+        vocab_size is None or own_vocab is None or vocab_size <= own_vocab,
+        f"data.vocab_size={vocab_size}: larger than the model's vocabulary of {own_vocab} (vocab_size in its config)",
+    )
+
+
+def use_keyed_dropout(model: nn.Module) -> None:
+    """Every nn.Dropout becomes a KeyedDropout of the same p, keyed by its place in the model; every module gets
+    the key its attention weights' dropout draws with (`keyed_attention`)."""
+    replaced = 0
+    for index, module in enumerate(list(model.modules())):
+        module._hydraloop_attention_key = mix_int(1 << 40 | index)  # apart from the KeyedDropouts' keys below
+        for name, child in module.named_children():
+            if type(child) is nn.Dropout:
+                replaced += 1
+                setattr(module, name, KeyedDropout(child.p, key=replaced))
+
+
+def keyed_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers' attention interface: (batch, heads, time, head_dim) in, (batch, time, heads, head_dim) out.
+    `attention_mask` is additive (the eager mask registered beside it), covering causality and padding."""
+    if key.shape[1] != query.shape[1]:  # grouped-query attention: each key/value head serves several query heads
+        repeats = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
+    if attention_mask is not None:
+        attention_mask = attention_mask[:, :, :, : key.shape[-2]]
+    if dropout == 0.0 or not module.training:
+        causal = attention_mask is None and query.shape[2] > 1 and getattr(module, "is_causal", False)
+        output = nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, scale=scaling, is_causal=causal
+        )
+        return output.transpose(1, 2).contiguous(), None
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    weights = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(value.dtype)
+    weights = keyed_dropout(weights, dropout, module._hydraloop_attention_key)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), None
+
+
+def register_keyed_attention() -> None:
+    """`attn_implementation="hydraloop_keyed"`: keyed_attention, with transformers' eager (additive) masks."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(KEYED_ATTENTION, keyed_attention)
+    AttentionMaskInterface.register(KEYED_ATTENTION, eager_mask)

@@ -1,0 +1,102 @@
+"""model=hf: a transformers model trains under every strategy to the same weights, dropout on (keyed), resumes
+exactly, and refuses what it cannot build in one line. The models are tiny GPT-2s built from a config: no download."""
+
+import pytest
+import torch
+
+from conftest import max_param_diff
+from hydraloop.errors import ConfigError
+
+transformers = pytest.importorskip("transformers", reason="the hf extra (in dev)")
+
+pytestmark = pytest.mark.slow
+
+# GPT-2's own dropout settings (0.1 on the embeddings, the attention weights and each residual branch): all keyed.
+TINY_GPT2 = [
+    "data=text",
+    "task=language_model",
+    "model=hf",
+    "model.model_type=gpt2",
+    "+model.config.n_layer=1",
+    "+model.config.n_embd=16",
+    "+model.config.n_head=2",
+    "+model.config.n_positions=32",
+    "data.block_size=16",
+    "data.batch_size=8",
+    "trainer.max_steps=6",
+    "logger=csv",
+]
+TOLERANCE = 1e-5  # float round-off: ranks' and micro-batches' mean gradients summed in another order
+
+
+@pytest.fixture(scope="module")
+def single(run_train):
+    run = run_train(*TINY_GPT2)
+    assert run.returncode == 0, run.output
+    assert "nn.Dropout" not in run.output  # no warning: its dropout is keyed
+    return run
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["parallel=ddp", "parallel.nproc_per_node=2"],
+        ["parallel=fsdp", "parallel.nproc_per_node=2"],
+        ["trainer.grad_accum_steps=4"],
+    ],
+    ids=["ddp", "fsdp", "accumulation"],
+)
+def test_a_split_batch_trains_the_single_process_weights_with_dropout_on(run_train, single, overrides):
+    split = run_train(*TINY_GPT2, *overrides)
+    assert split.returncode == 0, split.output
+    assert max_param_diff(split.checkpoint()["model"], single.checkpoint()["model"]) < TOLERANCE
+    assert split.metrics["val/loss"] == pytest.approx(single.metrics["val/loss"], rel=1e-5)
+
+
+def test_torchs_dropout_is_not_exact_and_the_launcher_says_so(run_train, single):
+    plain = run_train(*TINY_GPT2, "model.keyed_dropout=false", "trainer.grad_accum_steps=4")
+    assert plain.returncode == 0, plain.output
+    assert "the model has nn.Dropout, whose masks depend on how the batch is split" in plain.output
+    assert max_param_diff(plain.checkpoint()["model"], single.checkpoint()["model"]) > 1e-3
+
+
+def test_stopped_then_rerun_equals_uninterrupted(run_train, single):
+    first = run_train(*TINY_GPT2, "trainer.max_steps=3")
+    assert first.returncode == 0, first.output
+    resumed = run_train(*TINY_GPT2, f"ckpt_path={first.run_dir}/checkpoints/last.pt")
+    assert resumed.returncode == 0, resumed.output
+    checkpoint = resumed.checkpoint()
+    assert max_param_diff(checkpoint["model"], single.checkpoint()["model"]) < 1e-6
+    # GPT-2 ties its output layer to the token embedding; the checkpoint's two keys must still be one tensor's values.
+    assert torch.equal(checkpoint["model"]["lm_head.weight"], checkpoint["model"]["transformer.wte.weight"])
+
+
+def test_a_save_pretrained_folder_loads_with_its_weights(tmp_path):
+    from hydraloop.models.hf import hf_model
+
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=32, vocab_size=50)
+    saved = transformers.GPT2LMHeadModel(config)
+    saved.save_pretrained(tmp_path / "gpt")
+    loaded = hf_model(name_or_path=str(tmp_path / "gpt"), block_size=32, vocab_size=40)
+    assert max_param_diff(loaded.state_dict(), saved.state_dict()) == 0.0
+    fresh = hf_model(name_or_path=str(tmp_path / "gpt"), from_config=True, config={"n_layer": 2})
+    assert len(fresh.transformer.h) == 2 and fresh.config.vocab_size == 50
+
+
+@pytest.mark.parametrize(
+    "arguments, expected",
+    [
+        ({"auto_class": "AutoModelForCausalLm", "model_type": "gpt2"}, "closest: AutoModelForCausalLM"),
+        ({"model_type": "gtp2"}, "model.model_type=gtp2: not a transformers model type; closest: gpt2"),
+        ({}, "give a folder or cached name, or a model_type"),
+        ({"model_type": "gpt2", "config": {"n_layers": 2}}, "model.config.n_layers: not a setting of GPT2Config"),
+        ({"model_type": "gpt2", "block_size": 2048}, "data.block_size=2048: longer than the model's 1024 positions"),
+        ({"name_or_path": "/nowhere/gpt"}, "not a local folder, and not in the Hugging Face cache"),
+    ],
+)
+def test_what_it_cannot_build_is_one_line(arguments, expected):
+    from hydraloop.models.hf import hf_model
+
+    with torch.device("meta"), pytest.raises(ConfigError) as error:
+        hf_model(**arguments)
+    assert expected in str(error.value) and "\n" not in str(error.value)
