@@ -1,5 +1,5 @@
-"""Generate text from a language-model checkpoint (model=gpt, data=text or data=tokens), as nanoGPT's
-sample.py does.
+"""Generate text from a language-model checkpoint (model=gpt, or model=hf's causal LMs; data=text or data=tokens),
+as nanoGPT's sample.py does.
 
     python scripts/sample.py outputs/DATE/TIME/checkpoints/best.pt --prompt "ROMEO:" --max-new-tokens 500
 
@@ -23,6 +23,8 @@ from hydra.utils import instantiate
 
 from hydraloop.data.tokens import Codec
 from hydraloop.errors import BAD_INPUT_EXIT_CODE, ConfigError
+from hydraloop.models.hf import generate as hf_generate
+from hydraloop.models.hf import is_transformers_model
 from hydraloop.parallel.single import resolve_device
 
 SEPARATOR = "---------------"  # between samples, as nanoGPT prints them
@@ -65,11 +67,15 @@ def sample(args: argparse.Namespace) -> list[str]:
     if idx.numel() == 0:
         raise ConfigError("--prompt='': give at least one character")
     generator = torch.Generator(device=device).manual_seed(args.seed)
+    torch.manual_seed(args.seed)  # a transformers model's generate draws from torch's global generator
     samples = []
     for _ in range(args.num_samples):
-        tokens = model.generate(
-            idx[None], args.max_new_tokens, args.temperature, top_k=args.top_k or None, generator=generator
-        )
+        if is_transformers_model(model):
+            tokens = hf_generate(model, idx[None], args.max_new_tokens, args.temperature, args.top_k)
+        else:
+            tokens = model.generate(
+                idx[None], args.max_new_tokens, args.temperature, top_k=args.top_k or None, generator=generator
+            )
         samples.append(codec.decode(tokens[0].cpu()))
     return samples
 
@@ -96,7 +102,7 @@ def load_language_model(path: Path, device: torch.device) -> tuple[torch.nn.Modu
         task = (config.get("task") or {}).get("_target_", "?")
         raise ConfigError(
             f"{path}: its model, {type(model).__name__} (task {task}), is not a language model with a generate "
-            "method; scripts/sample.py samples from those (model=gpt with task=language_model)"
+            "method; scripts/sample.py samples from those (model=gpt or a causal model=hf, task=language_model)"
         )
     model.load_state_dict(checkpoint["model"])
     return model.to(device).eval(), Codec(data, str(path))

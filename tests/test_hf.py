@@ -1,11 +1,17 @@
 """model=hf: a transformers model trains under every strategy to the same weights, dropout on (keyed), resumes
 exactly, and refuses what it cannot build in one line. The models are tiny GPT-2s built from a config: no download."""
 
+import importlib.util
+import subprocess
+import sys
+
 import pytest
 import torch
+from hydra.utils import instantiate
 
-from conftest import max_param_diff
-from hydraloop.errors import ConfigError
+from conftest import REPO, max_param_diff
+from hydraloop.data.tokens import Codec
+from hydraloop.errors import BAD_INPUT_EXIT_CODE, ConfigError
 
 transformers = pytest.importorskip("transformers", reason="the hf extra (in dev)")
 
@@ -81,6 +87,58 @@ def test_a_save_pretrained_folder_loads_with_its_weights(tmp_path):
     assert max_param_diff(loaded.state_dict(), saved.state_dict()) == 0.0
     fresh = hf_model(name_or_path=str(tmp_path / "gpt"), from_config=True, config={"n_layer": 2})
     assert len(fresh.transformer.h) == 2 and fresh.config.vocab_size == 50
+
+
+def script(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sampling_is_seeded_and_keyed_attention_generates_as_transformers_own(single, train_env, one_thread):
+    command = [sys.executable, str(REPO / "scripts" / "sample.py"), str(single.run_dir / "checkpoints" / "last.pt")]
+    command += ["--prompt", "ROMEO:", "--max-new-tokens", "20", "--num-samples", "2"]
+    texts = [subprocess.run(command, env=train_env, capture_output=True, text=True) for _ in range(2)]
+    assert texts[0].returncode == 0, texts[0].stderr
+    first, second = texts[0].stdout.split("\n---------------\n")
+    assert first.startswith("ROMEO:") and len(first) == len("ROMEO:") + 20 and first != second
+    assert texts[1].stdout == texts[0].stdout
+    too_long = subprocess.run([*command[:3], "--max-new-tokens", "40"], env=train_env, capture_output=True, text=True)
+    assert too_long.returncode == BAD_INPUT_EXIT_CODE and "more than the model's 32 positions" in too_long.stderr
+    # Generation reads a cache of keys and values: the keyed attention must attend as transformers' sdpa does.
+    checkpoint = single.checkpoint()
+    prompt = torch.tensor([[5, 6, 7]])
+    greedy = []
+    for keyed in (True, False):
+        model = instantiate(checkpoint["config"]["model"], keyed_dropout=keyed)
+        model.load_state_dict(checkpoint["model"])
+        greedy.append(script("sample").hf_generate(model.eval(), prompt, 20, temperature=0.0, top_k=0))
+    assert model.config._attn_implementation == "sdpa" and torch.equal(greedy[0], greedy[1])
+
+
+def test_an_export_loads_with_from_pretrained_with_the_checkpoints_weights_and_tokenizer(single, train_env, tmp_path):
+    out = tmp_path / "exported"
+    command = [sys.executable, str(REPO / "scripts" / "export_hf.py"), str(single.run_dir / "checkpoints" / "last.pt")]
+    export = subprocess.run([*command, str(out)], env=train_env, capture_output=True, text=True)
+    assert export.returncode == 0, export.stderr
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert type(model).__name__ == "GPT2LMHeadModel"
+    assert max_param_diff(model.state_dict(), single.checkpoint()["model"]) == 0.0
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    line = "ROMEO: But, soft! what light\nthrough yonder window breaks?"
+    codec = Codec(single.checkpoint()["config"]["data"], "test")
+    assert tokenizer(line)["input_ids"] == codec.encode(line, where="test").tolist()
+    assert tokenizer.decode(tokenizer(line)["input_ids"]) == line
+    again = subprocess.run([*command, str(out)], env=train_env, capture_output=True, text=True)
+    assert again.returncode == BAD_INPUT_EXIT_CODE and "nothing is overwritten" in again.stderr
+
+
+def test_bytes_export_as_a_tokenizer_of_one_byte_per_token():
+    tokenizer = script("export_hf").as_transformers_tokenizer(Codec({"vocab": None}, "test"), transformers)
+    text = "naïve café\n\tend"
+    assert tokenizer(text)["input_ids"] == list(text.encode())
+    assert tokenizer.decode(list(text.encode())) == text
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ dropout applies (evaluation, or no attention dropout), and otherwise explicitly 
 
 import difflib
 import importlib.util
-import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,6 @@ from torch import Tensor, nn
 from hydraloop.errors import ConfigError, require
 from hydraloop.keyed_dropout import KeyedDropout, keyed_dropout, mix_int
 
-log = logging.getLogger(__name__)
 KEYED_ATTENTION = "hydraloop_keyed"
 
 
@@ -86,6 +85,7 @@ def import_transformers() -> Any:
     import transformers
 
     transformers.logging.set_verbosity_error()  # its notes on fresh heads and unused weights: hydraloop logs its own
+    transformers.logging.disable_progress_bar()  # bars for reading and writing weights, in every log
     return transformers
 
 
@@ -199,6 +199,33 @@ def keyed_attention(
     weights = nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(value.dtype)
     weights = keyed_dropout(weights, dropout, module._hydraloop_attention_key)
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), None
+
+
+def is_transformers_model(model: nn.Module) -> bool:
+    """Whether `model` is a transformers model: never, where nothing has imported transformers."""
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
+
+
+def generate(model: nn.Module, idx: Tensor, max_new_tokens: int, temperature: float, top_k: int) -> Tensor:
+    """scripts/sample.py's options through transformers' `generate`: temperature 0 is greedy, top_k 0 no limit; it
+    draws from torch's global generator (seed it first). It stops early only at the model's end-of-text token."""
+    positions = getattr(model.config, "max_position_embeddings", None)
+    require(
+        positions is None or idx.shape[1] + max_new_tokens <= positions,
+        f"--max-new-tokens={max_new_tokens}: with the prompt's {idx.shape[1]} token(s), more than the model's "
+        f"{positions} positions",
+    )
+    config = model.config
+    sampling = {"temperature": temperature, "top_k": top_k} if temperature > 0 else {}
+    return model.generate(
+        idx,
+        attention_mask=torch.ones_like(idx),
+        max_new_tokens=max_new_tokens,
+        do_sample=temperature > 0,
+        pad_token_id=config.pad_token_id if config.pad_token_id is not None else config.eos_token_id,
+        **sampling,
+    )
 
 
 def register_keyed_attention() -> None:
