@@ -48,6 +48,7 @@ from hydraloop.errors import (
     unwrap_instantiation,
 )
 from hydraloop.loggers import JobInfo, build_logger
+from hydraloop.metrics import MetricSet
 from hydraloop.optim import build_optimizers, optimizer_nodes, part_modules, schedule_node
 from hydraloop.parallel.cluster import export_submitit_rank_env
 from hydraloop.parallel.single import SingleDevice
@@ -126,6 +127,7 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice, job: JobInfo) -> dict
     task = instantiate(cfg.task)
     if cfg.mode == "predict":
         return predict(cfg, strategy, task)
+    task.extra_metrics = MetricSet(cfg.metrics, strategy.device)
     train_set, val_set = instantiate(cfg.data.dataset)
     task.check_sample(train_set[0], f"data.dataset._target_={cfg.data.dataset._target_}")
     train_loader, val_loader = build_loaders(
@@ -199,7 +201,7 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice, job: JobInfo) -> dict
             start_step=state.global_step,
             num_params=num_params,
             job=job,
-            val_metrics=reported_metrics(task.reported_metrics(), callbacks),
+            val_metrics=reported_metrics(task.all_metrics(), callbacks),
         )
         if strategy.is_main_process
         else NullRunWriter()

@@ -28,6 +28,7 @@ from hydraloop.batches import check_leaves, count_rows, map_tensors
 from hydraloop.callbacks import build_callbacks, reported_metrics
 from hydraloop.errors import ConfigError, require, unwrap_instantiation
 from hydraloop.keyed_dropout import has_plain_dropout
+from hydraloop.metrics import MetricSet
 from hydraloop.optim import check_optimizers, config_key, optimizer_nodes, schedule_node
 
 PRECISIONS = ("32", "bf16", "fp16")
@@ -274,7 +275,8 @@ def check_task(cfg: Any, task: Any, callbacks: dict) -> None:
     """The task fits the data and model, and it or a callback reports `optimized_metric`."""
     task.check(cfg)
     _check_optimizer_steps(cfg, task)
-    metric, reported = cfg.optimized_metric, reported_metrics(task.reported_metrics(), callbacks)
+    task.extra_metrics = MetricSet(cfg.metrics, torch.device("cpu"))  # each one built: bad input is found here
+    metric, reported = cfg.optimized_metric, reported_metrics(task.all_metrics(), callbacks)
     require(metric in reported, f"optimized_metric={metric}: the task reports {', '.join(reported)}")
 
 

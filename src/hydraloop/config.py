@@ -214,6 +214,8 @@ class TrainConfig:
     """What the loop optimises and validation reports (hydraloop.tasks)."""
     callbacks: Any = field(default_factory=dict)
     """Callbacks by name (hydraloop.callbacks): `callbacks=[ema]`."""
+    metrics: Any = field(default_factory=dict)
+    """More validation metrics by name (hydraloop.metrics): torchmetrics classes, reported as val/NAME."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     mode: str = "train"
     """train; eval: evaluate the weights of `ckpt_path` on the validation set and write metrics.json; predict: write
@@ -233,7 +235,7 @@ class TrainConfig:
     `ckpt_path`. false: start from `ckpt_path` or from scratch, overwriting the directory's checkpoints."""
     optimized_metric: str = "${default_metric:${task._target_}}"
     """Returned to sweepers and used to choose checkpoints/best.pt; one of the task's metrics (default: its own)."""
-    optimized_metric_mode: str = "${metric_mode:${task._target_},${optimized_metric}}"
+    optimized_metric_mode: str = "${metric_mode:${task._target_},${optimized_metric},${metrics}}"
     """max or min: which direction of `optimized_metric` is better (default: the task's for that metric)."""
     output_dir: str = "${hydra:runtime.output_dir}"
     """The run directory; every rank writes into the launcher's, never one of its own."""

@@ -75,9 +75,15 @@ def _reporting_config_errors(resolver: Callable[..., Any]) -> Callable[..., Any]
     return resolve
 
 
-def metric_mode(task: str, metric: str) -> str:
-    """The better direction of a task's metric, or of a callback's version of it: val/ema/loss is val/loss measured
-    with callbacks.ema's weights. An unknown metric gets a placeholder here: check_task names the valid ones."""
+def metric_mode(task: str, metric: str, extra: Any = None) -> str:
+    """The better direction of a task's metric, of one of the `metrics` node's (`extra`), or of a callback's version
+    of one: val/ema/loss is val/loss measured with callbacks.ema's weights. An unknown metric gets a placeholder
+    here: check_task names the valid ones."""
+    from hydraloop.metrics import metric_direction
+
+    direction = metric_direction(extra, metric)
+    if direction is not None:
+        return direction
     metrics = get_class(task).metrics
     split, name = metric.split("/"), metric
     if metric not in metrics and len(split) == 3:

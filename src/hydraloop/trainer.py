@@ -465,4 +465,5 @@ class Trainer:
         for batch in self.strategy.eval_batches(batches, count):
             with self.precision.autocast():
                 totals += self.task.validation_statistics(module, self._on_device(batch))
-        return self.task.metrics_from(self.strategy.all_reduce(totals).tolist())
+        metrics = self.task.metrics_from(self.strategy.all_reduce(totals).tolist())
+        return {**metrics, **(self.task.extra_metrics.compute() if self.task.extra_metrics else {})}

@@ -32,9 +32,17 @@ class Task:
     num_statistics: int
     """The length of `statistics`' vector (a rank with no validation batch still joins the reduction with zeros)."""
 
+    extra_metrics: Any = None
+    """The config's `metrics` (hydraloop.metrics.MetricSet: torchmetrics by name), updated in validation with
+    `metric_inputs`; set by the entrypoint. A task's own `validation_statistics` updates them itself."""
+
     def reported_metrics(self) -> list[str]:
         """The metrics this task reports (all of `metrics`, unless a subclass leaves some out)."""
         return list(self.metrics)
+
+    def all_metrics(self) -> list[str]:
+        """What validation reports: the task's metrics, then the config's `metrics`."""
+        return [*self.reported_metrics(), *(self.extra_metrics.names if self.extra_metrics else [])]
 
     target_key: ClassVar[str] = "labels"
     """Where a dict batch holds the targets (Hugging Face's name)."""
@@ -55,9 +63,16 @@ class Task:
         return optimizers
 
     def validation_statistics(self, model: Any, batch: Any) -> Tensor:
-        """The statistics of a validation batch (see `statistics`)."""
+        """The statistics of a validation batch (see `statistics`); the config's `metrics` are updated too."""
         inputs, targets = self.split(batch)
-        return self.statistics(call(model, inputs), targets)
+        outputs = call(model, inputs)
+        if self.extra_metrics:
+            self.extra_metrics.update(*self.metric_inputs(outputs, targets))
+        return self.statistics(outputs, targets)
+
+    def metric_inputs(self, outputs: Any, targets: Tensor) -> tuple[Tensor, Tensor]:
+        """What the config's `metrics` (torchmetrics) are updated with: the outputs as a tensor (logits), targets."""
+        return logits(outputs, self), targets
 
     def predict(self, model: Any, inputs: Any) -> dict[str, Tensor]:
         """mode=predict: the predictions for a batch of inputs (see `predictions`)."""

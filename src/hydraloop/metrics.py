@@ -1,0 +1,95 @@
+"""More validation metrics, by name, from torchmetrics (the `metrics` extra): the top-level `metrics` node.
+
+    python src/train.py +metrics.f1='{_target_: torchmetrics.classification.MulticlassF1Score, num_classes: 10,
+        average: macro}' +metrics.auroc='{_target_: torchmetrics.classification.MulticlassAUROC, num_classes: 10}'
+
+reports val/f1 and val/auroc beside the task's own metrics, from every validation. Each is any torchmetrics.Metric
+(a class of one's own too), updated with what the task's `metric_inputs` gives (the logits and the targets, for the
+shipped tasks) on each rank's validation shard, which holds each sample once, unpadded; `compute` then gathers the
+ranks' states over the run's process group, so the values under ddp and fsdp are single-process training's.
+Which direction is better comes from the class's `higher_is_better` (optimized_metric=val/f1 just works).
+"""
+
+import difflib
+import importlib.util
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from hydra.utils import get_class, instantiate
+from omegaconf import OmegaConf
+
+from hydraloop.errors import ConfigError, unwrap_instantiation
+
+
+class MetricSet:
+    """The `metrics` node's metrics, by their reported names (val/NAME), on one device."""
+
+    def __init__(self, node: Any, device: torch.device) -> None:
+        self.metrics = {f"val/{name}": metric.to(device) for name, metric in build_metrics(node).items()}
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.metrics)
+
+    def update(self, predictions: torch.Tensor, targets: torch.Tensor) -> None:
+        for metric in self.metrics.values():
+            metric.update(predictions.float(), targets)
+
+    def compute(self) -> dict[str, float]:
+        """Every metric over the whole validation set (a collective: every rank calls it), then reset."""
+        values = {}
+        for name, metric in self.metrics.items():
+            values[name] = float(metric.compute())
+            metric.reset()
+        return values
+
+
+def build_metrics(node: Any) -> dict[str, Any]:
+    """The node's metrics by name; an unknown class, or one that is not a torchmetrics.Metric, is one line."""
+    if not node:
+        return {}
+    if importlib.util.find_spec("torchmetrics") is None:
+        raise ConfigError("metrics: need torchmetrics, which is not installed; pip install 'hydraloop[metrics]'")
+    from torchmetrics import Metric
+
+    built = {}
+    for name, spec in node.items():
+        key = f"metrics.{name}"
+        if not OmegaConf.is_dict(spec) and not isinstance(spec, Mapping) or "_target_" not in spec:
+            raise ConfigError(f"{key}={spec}: must be a node with a _target_, e.g. torchmetrics.classification.F1Score")
+        metric_class = _metric_class(key, str(spec["_target_"]))
+        try:
+            metric = instantiate(spec)
+        except Exception as error:  # noqa: BLE001  the constructor's complaint, as one line
+            cause = unwrap_instantiation(error)
+            raise ConfigError(f"{key}: {metric_class.__name__} says: {str(cause).strip().splitlines()[0]}") from None
+        if not isinstance(metric, Metric):
+            raise ConfigError(f"{key}._target_={spec['_target_']}: not a torchmetrics.Metric")
+        built[name] = metric
+    return built
+
+
+def _metric_class(key: str, target: str) -> type:
+    try:
+        return get_class(target)
+    except Exception:  # noqa: BLE001  Hydra's several-line story of a failed import
+        import torchmetrics
+
+        names = [name for name in dir(torchmetrics) if name[:1].isupper()]
+        closest = difflib.get_close_matches(target.rsplit(".", 1)[-1], names, n=3, cutoff=0.6)
+        hint = f"; closest in torchmetrics: {', '.join(closest)}" if closest else ""
+        raise ConfigError(f"{key}._target_={target}: no such class{hint}") from None
+
+
+def metric_direction(node: Any, metric: str) -> str | None:
+    """max or min for val/NAME where `metrics.NAME` is one of these (its class's higher_is_better), else None."""
+    split = metric.split("/")
+    spec = node.get(split[-1]) if node and len(split) >= 2 and split[0] == "val" else None
+    if spec is None or "_target_" not in spec:
+        return None
+    try:
+        higher = getattr(get_class(str(spec["_target_"])), "higher_is_better", True)
+    except Exception:  # noqa: BLE001  an unknown class: build_metrics names it in the launcher
+        return None
+    return "min" if higher is False else "max"
