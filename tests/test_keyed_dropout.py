@@ -68,3 +68,11 @@ def test_an_mlp_with_dropout_under_ddp_ends_with_singles_weights(run_train):
     assert single.returncode == 0 and ddp.returncode == 0, single.output + ddp.output
     assert max_param_diff(ddp.checkpoint()["model"], single.checkpoint()["model"]) < 1e-5
     assert ddp.metrics["val/acc"] == single.metrics["val/acc"]
+
+
+def test_a_tokens_mask_does_not_depend_on_how_long_the_batch_is_padded(layer):
+    """Each rank and micro-batch pads to its own longest sample: position t of a sample keeps its mask."""
+    short, padded = torch.ones(3, 5, 4), torch.ones(3, 9, 4)
+    assert torch.equal(dropped(layer, padded, step=1)[:, :5], dropped(layer, short, step=1))
+    attention = torch.ones(3, 2, 9, 9)  # (batch, heads, queries, keys): padded in two dimensions
+    assert torch.equal(dropped(layer, attention, step=1)[:, :, :5, :5], dropped(layer, attention[:, :, :5, :5], step=1))

@@ -10,7 +10,6 @@ The training loop says, around each forward pass, which rows of the global batch
 (`global_rows`); anywhere else (evaluation, a model called by hand) KeyedDropout is plain nn.Dropout.
 """
 
-import math
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -111,6 +110,12 @@ def has_plain_dropout(model: nn.Module) -> bool:
     )
 
 
+def draws_keyed_masks(model: nn.Module) -> bool:
+    """Whether the loop must say which rows a batch holds: the model has a KeyedDropout, or a module that calls
+    `keyed_dropout` itself and says so with a `keyed_dropout_key` (models/hf.py's attention)."""
+    return any(isinstance(module, KeyedDropout) or hasattr(module, "keyed_dropout_key") for module in model.modules())
+
+
 def keyed_dropout(x: Tensor, p: float, key_term: int) -> Tensor:
     """Dropout of `x` (rows first) in training: keyed by the loop's rows where it set them, else plain F.dropout.
     `key_term` is `mix_int` of the layer's key (KeyedDropout's; models/hf.py's for attention weights)."""
@@ -118,10 +123,15 @@ def keyed_dropout(x: Tensor, p: float, key_term: int) -> Tensor:
     if keys is None:
         return F.dropout(x, p, training=True)
     rows, step_key = keys
-    per_row = math.prod(x.shape[1:])  # x[0] would fail on a rank's empty micro-batch
-    elements = rows[:, None] * per_row + torch.arange(per_row, dtype=torch.int64, device=x.device)
-    keep = _uniform(_mix(elements + step_key * _GOLDEN + key_term)) >= p
-    return x * keep.view(x.shape).to(x.dtype) / (1.0 - p)
+    # An element's key is hashed from its coordinates one dimension at a time, not from its offset in the row: the
+    # token at position t of a sample gets the same mask however long the batch is padded (each rank and each
+    # micro-batch pads to its own longest sample). The hashes before the last dimension are small tensors.
+    element_keys = _mix(rows + step_key * _GOLDEN + key_term)
+    for size in x.shape[1:]:
+        coordinates = torch.arange(size, dtype=torch.int64, device=x.device) * _GOLDEN
+        element_keys = _mix(element_keys[..., None] + coordinates)
+    keep = _uniform(element_keys) >= p
+    return x * keep.to(x.dtype) / (1.0 - p)
 
 
 def _mix(z: Tensor) -> Tensor:

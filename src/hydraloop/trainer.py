@@ -24,7 +24,7 @@ from hydraloop.checkpoint import TrainState, checkpoint_state
 from hydraloop.data.loaders import GlobalBatchSampler, TrainLoader
 from hydraloop.early_stopping import EarlyStopping
 from hydraloop.errors import Interrupted, TrainingDiverged
-from hydraloop.keyed_dropout import KeyedDropout, RowKeys
+from hydraloop.keyed_dropout import RowKeys, draws_keyed_masks
 from hydraloop.losses import Interval, check_finite, check_finite_weights
 from hydraloop.parallel.single import SingleDevice
 from hydraloop.perf import Throughput, interval_peak_memory_gb
@@ -114,8 +114,8 @@ class Trainer:
         self.stop_request = stop_request or StopRequest()
         self.stop_signum = 0  # the stop signal all ranks agreed on at the last reduction
         self.seed_step = StepSeeder(seed, strategy.rank, strategy.devices)
-        # Only for a model that has KeyedDropout: every other model pays nothing for it.
-        keyed = any(isinstance(module, KeyedDropout) for module in model.modules())
+        # Only for a model that draws keyed masks: every other model pays nothing for it.
+        keyed = draws_keyed_masks(model)
         row_keys = RowKeys(seed, strategy.rank, strategy.world_size, strategy.device) if keyed else None
         self.step = OptimizerStep(
             strategy,

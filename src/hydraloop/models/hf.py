@@ -162,7 +162,7 @@ def use_keyed_dropout(model: nn.Module) -> None:
     the key its attention weights' dropout draws with (`keyed_attention`)."""
     replaced = 0
     for index, module in enumerate(list(model.modules())):
-        module._hydraloop_attention_key = mix_int(1 << 40 | index)  # apart from the KeyedDropouts' keys below
+        module.keyed_dropout_key = mix_int(1 << 40 | index)  # apart from the KeyedDropouts' keys below
         for name, child in module.named_children():
             if type(child) is nn.Dropout:
                 replaced += 1
@@ -197,7 +197,7 @@ def keyed_attention(
     if attention_mask is not None:
         weights = weights + attention_mask
     weights = nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(value.dtype)
-    weights = keyed_dropout(weights, dropout, module._hydraloop_attention_key)
+    weights = keyed_dropout(weights, dropout, module.keyed_dropout_key)
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), None
 
 
