@@ -118,7 +118,8 @@ def check_data(cfg: Any, task: Any) -> None:
     train_set, val_set = _built(cfg, "data.dataset")
     check_sizes(train_set, val_set, cfg.data.batch_size, cfg.data.drop_last)
     where = f"data.dataset._target_={cfg.data.dataset._target_}"
-    _check_batch(cfg, task, default_collate([train_set[index] for index in range(min(2, len(train_set)))]), where)
+    collate = getattr(train_set, "collate_fn", default_collate)  # a data set's own (data=hf pads its token rows)
+    _check_batch(cfg, task, collate([train_set[index] for index in range(min(2, len(train_set)))]), where)
     task.check_sample(train_set[0], where)
 
 

@@ -12,7 +12,7 @@ import gc
 import math
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -28,7 +28,7 @@ from torch.utils.data import (
 )
 
 from hydraloop.batches import check_leaves, map_tensors, slice_rows, tensors, to_device
-from hydraloop.data.batch_transforms import CollateThenTransform, split_elementwise_tail
+from hydraloop.data.batch_transforms import split_elementwise_tail
 from hydraloop.errors import ConfigError, require
 
 
@@ -347,8 +347,11 @@ def build_loaders(
     return TrainLoader(train, train_sampler, first_batch), val
 
 
-def _elementwise_tail_per_batch(dataset: Dataset) -> tuple[Dataset, CollateThenTransform | None]:
-    """split_elementwise_tail, looking through SeededAugmentation: (the data set to load, its collate_fn or None)."""
+def _elementwise_tail_per_batch(dataset: Dataset) -> tuple[Dataset, Callable | None]:
+    """split_elementwise_tail, looking through SeededAugmentation: (the data set to load, its collate_fn or None).
+    A data set's own `collate_fn` (data=hf's padding) is used where there is no such tail."""
+    if hasattr(dataset, "collate_fn"):
+        return dataset, dataset.collate_fn
     if not isinstance(dataset, SeededAugmentation):
         return split_elementwise_tail(dataset)
     head, collate = split_elementwise_tail(dataset.dataset)

@@ -39,22 +39,39 @@ def hf_model(
     num_labels: int | None = None,
     vocab_size: int | None = None,
     block_size: int | None = None,
+    tokenizer: str | None = None,
+    pad_token: str | None = None,
     keyed_dropout: bool = True,
     gradient_checkpointing: bool = False,
 ) -> nn.Module:
     """The transformers model `auto_class` names, from `name_or_path` (its weights) or `model_type` (fresh). With
     fresh weights, `vocab_size` (the data's) sizes the embeddings unless `config` sets it; `num_labels` goes to the
-    config (a classifier's head); `block_size` (the data's) is checked against the model's positions."""
+    config of a classifier (an auto class `...ForSequenceClassification`: its head); `block_size` (the data's) is
+    checked against the model's positions; `tokenizer` (data=hf's) against its vocabulary, and its padding token
+    becomes the config's (a GPT-2 classifier reads each row's last token before the padding)."""
     transformers = import_transformers()
     auto = _auto_class(transformers, auto_class)
     overrides = dict(config or {})
     fresh = from_config or name_or_path is None
-    if num_labels is not None:
+    if num_labels is not None and "Classification" in auto_class:
         overrides.setdefault("num_labels", num_labels)
+    texts = None
+    if tokenizer is not None:
+        from hydraloop.data.hf import load_tokenizer
+
+        texts = load_tokenizer(tokenizer, pad_token)
+        overrides.setdefault("pad_token_id", texts.pad_token_id)
     if fresh and vocab_size is not None:
         overrides.setdefault("vocab_size", vocab_size)
+    elif name_or_path is None and texts is not None:  # an architecture alone: embeddings for the tokenizer's tokens
+        overrides.setdefault("vocab_size", len(texts))
     model_config = _config(transformers, name_or_path, model_type, overrides)
     _check_sizes(model_config, vocab_size, block_size)
+    require(
+        texts is None or len(texts) <= model_config.vocab_size,
+        f"data.dataset.tokenizer={tokenizer}: {len(texts) if texts else 0} tokens, more than the model's vocabulary of "
+        f"{model_config.vocab_size}",
+    )
     attention = {"attn_implementation": KEYED_ATTENTION} if keyed_dropout else {}
     if keyed_dropout:
         register_keyed_attention()
@@ -120,7 +137,9 @@ def _config(transformers: Any, name_or_path: str | None, model_type: str | None,
 
 
 def _with_overrides(config: Any, overrides: dict) -> Any:
-    unknown = [key for key in overrides if key not in ("num_labels", "vocab_size") and not hasattr(config, key)]
+    unknown = [
+        key for key in overrides if key not in ("num_labels", "vocab_size", "pad_token_id") and not hasattr(config, key)
+    ]
     require(
         not unknown,
         f"model.config.{unknown[0] if unknown else ''}: not a setting of {type(config).__name__}",

@@ -1,0 +1,231 @@
+"""`data=hf`: a labelled text data set read with Hugging Face `datasets` and tokenized with the model's tokenizer
+(the `hf` extra), for sequence classification:
+
+    python src/train.py data=hf data.dataset.path=reviews.csv data.num_classes=2 model=hf \
+        model.auto_class=AutoModelForSequenceClassification model.name_or_path=path/to/pretrained
+
+`path` is a local file (csv, json or jsonl, parquet, txt), a folder `save_to_disk` wrote, or a data set already in
+the Hugging Face cache (read offline: never downloaded). Its splits give train and validation (`train_split`,
+`val_split`), or a fixed `val_fraction` of the train split is held out by `split_seed`. Each sample's text (and an
+optional second text: pairs) is tokenized with `tokenizer` (a folder or cache name holding one, or a tokenizer.json)
+through `datasets.map` in batches, truncated to `max_length` (data.block_size, checked against the model's
+positions), and kept in hydraloop's data cache under a key of the source's fingerprint, the tokenizer's contents and
+these settings: a changed tokenizer or setting never reads a stale cache. Batches are padded to their own longest
+sample, with an attention mask: `{"input_ids", "attention_mask", "labels"}`, which the task passes to the model by
+keyword. Labels are integers in [0, num_classes), or names (sorted, numbered from 0).
+"""
+
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from hydraloop.data.cache import cached_arrays
+from hydraloop.errors import ConfigError, require
+
+FILE_BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
+
+
+class TokenizedTexts(Dataset):
+    """Token ids of varying length (flat, with offsets) and a label per sample; `collate_fn` pads a batch."""
+
+    def __init__(self, ids: np.ndarray, offsets: np.ndarray, labels: np.ndarray, pad_id: int) -> None:
+        self.ids, self.offsets, self.labels, self.pad_id = ids, offsets, labels, pad_id
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        ids = torch.from_numpy(self.ids[self.offsets[index] : self.offsets[index + 1]].astype(np.int64))
+        return {"input_ids": ids, "labels": torch.tensor(int(self.labels[index]))}
+
+    def collate_fn(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """The samples padded (on the right) to the longest of them, with the attention mask that hides the padding."""
+        longest = max((len(sample["input_ids"]) for sample in samples), default=0)
+        ids = torch.full((len(samples), longest), self.pad_id, dtype=torch.int64)
+        mask = torch.zeros((len(samples), longest), dtype=torch.int64)
+        for row, sample in enumerate(samples):
+            ids[row, : len(sample["input_ids"])] = sample["input_ids"]
+            mask[row, : len(sample["input_ids"])] = 1
+        return {"input_ids": ids, "attention_mask": mask, "labels": torch.stack([s["labels"] for s in samples])}
+
+
+def load_hf_dataset(
+    path: str,
+    tokenizer: str | None,
+    num_classes: int,
+    text_column: str = "text",
+    text_pair_column: str | None = None,
+    label_column: str = "label",
+    max_length: int = 128,
+    pad_token: str | None = None,
+    train_split: str = "train",
+    val_split: str | None = "validation",
+    val_fraction: float = 0.1,
+    split_seed: int = 0,
+    cache_dir: str | None = None,
+) -> tuple[TokenizedTexts, TokenizedTexts]:
+    """(train, val) of the data set at `path`, tokenized by `tokenizer` (see the module docstring)."""
+    require(tokenizer is not None, "data.dataset.tokenizer=null: give a folder or cache name holding one, or a .json")
+    require(max_length > 0, f"data.block_size={max_length}: must be positive")
+    splits = _read_splits(path)
+    require(
+        train_split in splits,
+        f"data.dataset.train_split={train_split}: {path} has the splits {', '.join(splits)}",
+    )
+    train = splits[train_split]
+    if val_split is not None and val_split in splits:
+        val = splits[val_split]
+    else:
+        require(0 < val_fraction < 1, f"data.dataset.val_fraction={val_fraction}: must be between 0 and 1")
+        halves = train.train_test_split(test_size=val_fraction, seed=split_seed, shuffle=True)
+        train, val = halves["train"], halves["test"]
+    columns = [text_column, label_column] + ([text_pair_column] if text_pair_column else [])
+    for key, column in zip(("text_column", "label_column", "text_pair_column"), columns):
+        require(
+            column in train.column_names,
+            f"data.dataset.{key}={column}: {path} has no such column; it has {', '.join(train.column_names)}",
+        )
+    label_ids = _label_ids(train, val, label_column, num_classes)
+    hf_tokenizer = load_tokenizer(tokenizer, pad_token)
+    settings = [tokenizer_digest(hf_tokenizer), text_column, text_pair_column, label_column, max_length]
+    parts = []
+    for name, split in (("train", train), ("val", val)):
+        key = hashlib.sha256(json.dumps([split._fingerprint, *settings]).encode()).hexdigest()[:24]
+        arrays = cached_arrays(
+            f"hf_{key}",
+            functools.partial(_tokenized, split, hf_tokenizer, columns, max_length, label_ids),
+            cache_dir,
+        )
+        require(len(arrays["labels"]) > 0, f"data.dataset.path={path}: the {name} split has no samples")
+        parts.append(TokenizedTexts(arrays["ids"], arrays["offsets"], arrays["labels"], hf_tokenizer.pad_token_id))
+    return parts[0], parts[1]
+
+
+def import_datasets() -> Any:
+    if importlib.util.find_spec("datasets") is None:
+        raise ConfigError("data=hf: needs datasets, which is not installed; pip install 'hydraloop[hf]'")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # a name not in the cache is an error, never a download
+    import datasets
+
+    datasets.config.HF_HUB_OFFLINE = True
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    return datasets
+
+
+def _read_splits(path: str) -> dict[str, Any]:
+    datasets = import_datasets()
+    local = Path(path)
+    try:
+        if local.is_dir():
+            loaded = datasets.load_from_disk(str(local))
+        elif local.suffix in FILE_BUILDERS:
+            require(local.is_file(), f"data.dataset.path={path}: no such file")
+            loaded = datasets.load_dataset(FILE_BUILDERS[local.suffix], data_files={"train": str(local)})
+        else:
+            loaded = datasets.load_dataset(path)
+    except ConfigError:
+        raise
+    except Exception as error:  # noqa: BLE001  datasets' many kinds of "cannot read it", as one line
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigError(
+            f"data.dataset.path={path}: cannot be read as a data set ({reason}); give a csv, json, jsonl, parquet or "
+            "txt file, a folder save_to_disk wrote, or a name already in the Hugging Face cache (never downloaded)"
+        ) from None
+    return dict(loaded) if isinstance(loaded, datasets.DatasetDict) else {"train": loaded}
+
+
+def _label_ids(train: Any, val: Any, column: str, num_classes: int) -> dict[Any, int] | None:
+    """A name-to-id map for labels that are names; None for integer labels, checked to lie in [0, num_classes)."""
+    names = getattr(train.features[column], "names", None)  # a ClassLabel's
+    if names is not None:
+        require(
+            len(names) == num_classes,
+            f"data.num_classes={num_classes}: the data set's {column} has {len(names)} classes ({', '.join(names[:5])}"
+            f"{', ...' if len(names) > 5 else ''})",
+        )
+        return None
+    values = set(train.unique(column)) | set(val.unique(column))
+    if all(isinstance(value, (int, np.integer)) and not isinstance(value, bool) for value in values):
+        low, high = min(values), max(values)
+        require(
+            low >= 0 and high < num_classes,
+            f"data.num_classes={num_classes}: the labels in {column} run from {low} to {high}",
+        )
+        return None
+    require(
+        all(isinstance(value, str) for value in values),
+        f"data.dataset.label_column={column}: holds {sorted(map(repr, values))[:3]}...: integers or names, not both",
+    )
+    require(
+        len(values) == num_classes,
+        f"data.num_classes={num_classes}: {column} holds {len(values)} names ({', '.join(sorted(values)[:5])}...)",
+    )
+    return {name: index for index, name in enumerate(sorted(values))}
+
+
+def _tokenized(
+    split: Any, tokenizer: Any, columns: list[str], max_length: int, label_ids: dict | None
+) -> dict[str, np.ndarray]:
+    text, label, *pair = columns
+
+    def encode(batch: dict[str, list]) -> dict[str, list]:
+        texts = (batch[text], batch[pair[0]]) if pair else (batch[text],)
+        encoded = tokenizer(*texts, truncation=True, max_length=max_length)
+        labels = [label_ids[value] for value in batch[label]] if label_ids else batch[label]
+        return {"input_ids": encoded["input_ids"], "labels": labels}
+
+    tokenized = split.map(encode, batched=True, remove_columns=split.column_names, keep_in_memory=True)
+    ids = tokenized["input_ids"]
+    lengths = np.array([len(row) for row in ids], dtype=np.int64)
+    dtype = np.uint16 if len(tokenizer) <= 2**16 else np.uint32
+    flat = np.fromiter((token for row in ids for token in row), dtype=dtype, count=int(lengths.sum()))
+    return {"ids": flat, "offsets": np.concatenate([[0], np.cumsum(lengths)]), "labels": np.array(tokenized["labels"])}
+
+
+@functools.lru_cache(maxsize=8)
+def load_tokenizer(spec: str, pad_token: str | None = None) -> Any:
+    """The transformers tokenizer in a folder or cache entry `spec`, or in a tokenizer.json; with `pad_token` as its
+    padding token. One without one is one line, saying how to set it."""
+    from hydraloop.models.hf import import_transformers
+
+    transformers = import_transformers()
+    try:
+        if spec.endswith(".json"):
+            require(Path(spec).is_file(), f"data.dataset.tokenizer={spec}: no such file")
+            tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=spec)
+        else:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(spec, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise ConfigError(
+            f"data.dataset.tokenizer={spec}: no tokenizer there ({str(error).strip().splitlines()[0]}); give a folder "
+            "save_pretrained wrote, a name in the Hugging Face cache, or a tokenizer.json"
+        ) from None
+    if pad_token is not None:
+        token_id = tokenizer.convert_tokens_to_ids(pad_token)
+        require(
+            token_id is not None and (token_id != tokenizer.unk_token_id or pad_token == tokenizer.unk_token),
+            f"data.dataset.pad_token={pad_token}: not a token of {spec}'s vocabulary",
+        )
+        tokenizer.pad_token = pad_token
+    require(
+        tokenizer.pad_token_id is not None,
+        f"data.dataset.tokenizer={spec}: has no padding token; set one of its tokens as data.dataset.pad_token "
+        f"(e.g. its end-of-text token{' ' + repr(tokenizer.eos_token) if tokenizer.eos_token else ''})",
+    )
+    return tokenizer
+
+
+def tokenizer_digest(tokenizer: Any) -> str:
+    """What tells tokenizers apart: the whole of a fast tokenizer's definition, and its padding token."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    contents = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    return hashlib.sha256(f"{contents}\0{tokenizer.pad_token}".encode()).hexdigest()
