@@ -99,11 +99,15 @@ def line_batches(files: list[Path], progress: tqdm | None = None, binary: bool =
 class Tokenizer:
     """What meta.json records of a tokenizer, and its encoding of a batch of lines as one array of ids."""
 
-    def __init__(self, spec: str, files: list[Path], vocab_size: int | None, out_tmp: Path) -> None:
+    def __init__(
+        self, spec: str, files: list[Path], vocab_size: int | None, out_tmp: Path, special_tokens: list[str] = ()
+    ) -> None:
         self.kind = spec if spec in ("char", "byte", "bpe") else "huggingface"
         self.binary = self.kind == "byte"
         if self.kind != "bpe" and vocab_size is not None:
             raise ConfigError(f"--vocab-size {vocab_size}: only for --tokenizer bpe (the others fix their own)")
+        if self.kind != "bpe" and special_tokens:
+            raise ConfigError(f"--special-tokens {' '.join(special_tokens)}: only for --tokenizer bpe")
         self.vocab = None
         if self.kind == "char":
             self.vocab = "".join(sorted(set().union(*(set("".join(batch)) for batch in line_batches(files)))))
@@ -111,14 +115,14 @@ class Tokenizer:
         elif self.kind == "byte":
             self.size, self.meta = 256, {"kind": "byte"}
         else:
-            self.hf = self._hf_tokenizer(spec, files, vocab_size)
+            self.hf = self._hf_tokenizer(spec, files, vocab_size, list(special_tokens))
             self.hf.save(str(out_tmp / "tokenizer.json"))
             digest = hashlib.sha256((out_tmp / "tokenizer.json").read_bytes()).hexdigest()
             self.size = self.hf.get_vocab_size()
             self.meta = {"kind": self.kind, "file": "tokenizer.json", "sha256": digest}
 
     @staticmethod
-    def _hf_tokenizer(spec: str, files: list[Path], vocab_size: int | None):
+    def _hf_tokenizer(spec: str, files: list[Path], vocab_size: int | None, special_tokens: list[str]):
         try:
             from tokenizers import Tokenizer as HFTokenizer
             from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -144,7 +148,10 @@ class Tokenizer:
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tokenizer.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+            vocab_size=vocab_size,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            special_tokens=special_tokens,  # the first ids; never made from text (an end-of-text or padding token)
+            show_progress=False,
         )
         tokenizer.train_from_iterator(("".join(batch) for batch in line_batches(files)), trainer=trainer)
         return tokenizer
@@ -183,6 +190,9 @@ def fingerprint(files: list[Path], args) -> dict:
         "tokenizer": stamp(tokenizer) if tokenizer.is_file() else args.tokenizer,
         "vocab_size": args.vocab_size,
         "val_fraction": args.val_fraction,
+        **(
+            {"special_tokens": args.special_tokens} if args.special_tokens else {}
+        ),  # folders made before it: as they were
     }
 
 
@@ -223,7 +233,7 @@ def prepare(source: Path, out: Path, args) -> str:
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp's is private; OUT gets a folder's usual mode
     try:
-        tokenizer = Tokenizer(args.tokenizer, files, args.vocab_size, tmp)
+        tokenizer = Tokenizer(args.tokenizer, files, args.vocab_size, tmp, args.special_tokens)
         dtype = np.uint16 if tokenizer.size <= 1 << 16 else np.uint32
         total_bytes = sum(source_bytes(file) for file in files)
         count = 0
@@ -272,7 +282,7 @@ def prepare_default(out: Path) -> str:
     """The bundled plays at char level into `out` (benchmark.py's token files), unless they are there already."""
     from hydraloop.data.text import corpus_path
 
-    args = argparse.Namespace(tokenizer="char", vocab_size=None, val_fraction=0.1, overwrite=False)
+    args = argparse.Namespace(tokenizer="char", vocab_size=None, special_tokens=[], val_fraction=0.1, overwrite=False)
     return prepare(corpus_path(None), out, args)
 
 
@@ -295,6 +305,9 @@ def main() -> None:
     parser.add_argument("out", type=Path, help="the folder to write train.bin, val.bin and meta.json into")
     parser.add_argument("--tokenizer", default="char", help="char, byte, bpe, or a tokenizer.json / model folder")
     parser.add_argument("--vocab-size", type=int, default=None, help="--tokenizer bpe: tokens in the vocabulary")
+    parser.add_argument(
+        "--special-tokens", nargs="*", default=[], help="--tokenizer bpe: tokens of their own, e.g. '<|endoftext|>'"
+    )
     parser.add_argument("--val-fraction", type=float, default=0.1, help="the last fraction of tokens is val")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT's token files of another corpus")
     parser.add_argument(
