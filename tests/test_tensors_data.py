@@ -101,9 +101,11 @@ def test_missing_relative_file_names_where_it_looked(tmp_path, monkeypatch):
 
 
 def test_unsupported_extension(tmp_path):
-    path = tmp_path / "data.csv"
+    path = tmp_path / "data.txt"
     path.write_text("1,2,3\n")
-    assert rejected(str(path)) == f"data.dataset.path={path}: unsupported file type '.csv'; use .npz or .pt"
+    assert rejected(str(path)) == (
+        f"data.dataset.path={path}: unsupported file type '.txt'; use .npz or .pt or .csv or .parquet"
+    )
 
 
 def test_unreadable_file(tmp_path):
@@ -151,11 +153,39 @@ def test_mismatched_lengths_in_the_validation_set(npz):
     assert "'x_val' has 5 samples but 'y_val' has 4" in rejected(path)
 
 
-def test_integer_inputs(npz):
+def test_integer_inputs_need_the_switch_and_stay_integers(npz):
     x, y = blobs(n=10)
     path = npz(x=(x * 100).astype(np.int32), y=y)
-    assert (
-        rejected(path) == f"data.dataset.path={path}: 'x' has dtype int32; inputs must be floating point (e.g. float32)"
+    assert rejected(path) == (
+        f"data.dataset.path={path}: 'x' has dtype int32; inputs must be floating point (e.g. float32), or, for token "
+        "ids, integers with data.dataset.integer_inputs=true"
+    )
+    train, _ = load_tensors(path, input_shape=[20], num_classes=3, integer_inputs=True, val_fraction=0.5)
+    assert train.tensors[0].dtype == torch.int64  # token ids, as an embedding takes them
+    assert "integer_inputs=true: 'x' has dtype float32, not integers" in rejected(npz(x=x, y=y), integer_inputs=True)
+
+
+def test_a_csv_or_parquet_table_by_column_names(tmp_path):
+    x, y = blobs(n=50, dim=3)
+    csv = tmp_path / "table.csv"
+    csv.write_text("a,b,c,label\n" + "".join(f"{r[0]},{r[1]},{r[2]},{t}\n" for r, t in zip(x.tolist(), y)))
+    train, val = load_tensors(str(csv), input_shape=[2], num_classes=3, y_key="label", feature_columns=["c", "a"])
+    rows = torch.cat([train.tensors[0], val.tensors[0]])
+    assert rows.shape == (50, 2) and len(val) == 10
+    assert sorted(rows[:, 0].tolist()) == sorted(torch.tensor(x[:, 2]).tolist())  # column c first, as named
+    pyarrow = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    table = pa.table({"ids": (x[:, 0] > 0).astype(np.int64), "other": x[:, 1], "label": y})
+    pyarrow.write_table(table, tmp_path / "table.parquet")
+    whole, _ = load_tensors(str(tmp_path / "table.parquet"), input_shape=[2], num_classes=3, y_key="label")
+    assert whole.tensors[0].shape[1] == 2 and whole.tensors[1].dtype == torch.int64  # every column but the label
+    assert "no column 'y' (data.dataset.y_key); it has 'a', 'b', 'c', 'label'" in rejected(str(csv), input_shape=(3,))
+    unknown = rejected(str(csv), y_key="label", feature_columns=["a", "d"])
+    assert unknown.startswith("data.dataset.feature_columns=['a', 'd']: no column 'd'; it has 'a', 'b', 'c', 'label'")
+    (tmp_path / "words.csv").write_text("a,label\nhigh,0\nlow,1\n")
+    assert "column 'a' holds values that are not numbers, e.g. 'high'" in rejected(
+        str(tmp_path / "words.csv"), y_key="label"
     )
 
 

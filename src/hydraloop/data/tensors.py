@@ -9,6 +9,11 @@ holds `x_val` and `y_val` (`<x_key>_val`, `<y_key>_val`), they are the validatio
 `val_fraction` of the samples is held out, chosen by `split_seed`, or, with `num_folds`, fold `fold` of them (k-fold
 cross-validation, which a file with its own validation set refuses).
 
+A table works too: a `.csv` (a header row, then numbers) or a `.parquet` file, whose column `y_key` holds the
+targets and `feature_columns` (null: every other column) the inputs, one value each (input_shape [number of
+features]); a validation set is held out as above. Inputs are floating point, or, with `integer_inputs=true`,
+integers (token ids, say, for a model that embeds them), kept as int64.
+
 Anything wrong with the file is a ConfigError: one line naming the config key, the value and what was found.
 """
 
@@ -23,7 +28,8 @@ from torch.utils.data import TensorDataset
 from hydraloop.data.folds import train_val_split
 from hydraloop.errors import ConfigError, first_line
 
-SUFFIXES = (".npz", ".pt")
+SUFFIXES = (".npz", ".pt", ".csv", ".parquet")
+TABLES = (".csv", ".parquet")
 
 
 def load_tensors(
@@ -37,11 +43,18 @@ def load_tensors(
     num_folds: int | None = None,
     fold: int = 0,
     target_shape: Sequence[int] | None = None,
+    feature_columns: Sequence[str] | None = None,
+    integer_inputs: bool = False,
 ) -> tuple[TensorDataset, TensorDataset]:
-    """(train, val) TensorDatasets of float32 inputs and int64 labels (float32 targets with `target_shape`) read
-    from `path` (.npz or .pt)."""
+    """(train, val) TensorDatasets of float32 inputs (int64 with `integer_inputs`) and int64 labels (float32 targets
+    with `target_shape`) read from `path` (.npz, .pt, or a .csv or .parquet table)."""
     where = f"data.dataset.path={path}"
-    arrays = read_arrays(Path(str(path)), where)
+    if Path(str(path)).suffix.lower() in TABLES:
+        arrays = read_table(Path(str(path)), where, x_key, y_key, feature_columns)
+        if target_shape is not None:  # a table's "3" is a real value here, not a class label
+            arrays[y_key] = arrays[y_key].double()
+    else:
+        arrays = read_arrays(Path(str(path)), where)
     x_val_key, y_val_key = f"{x_key}_val", f"{y_key}_val"
     missing = [key for key in (x_key, y_key) if key not in arrays]
     if missing:
@@ -56,14 +69,14 @@ def load_tensors(
 
     input_shape = [int(size) for size in input_shape]
     targets = None if target_shape is None else [int(size) for size in target_shape]
-    x, y = _checked(arrays, x_key, y_key, input_shape, num_classes, targets, where)
+    x, y = _checked(arrays, x_key, y_key, input_shape, num_classes, targets, where, integer_inputs)
     if all(has_val):
         if num_folds is not None:
             raise ConfigError(
                 f"data.num_folds={num_folds}: {where} holds its own validation set ('{x_val_key}', '{y_val_key}'); "
                 "k-fold splits one pool of samples: leave them out of the file, or set data.num_folds=null"
             )
-        x_val, y_val = _checked(arrays, x_val_key, y_val_key, input_shape, num_classes, targets, where)
+        x_val, y_val = _checked(arrays, x_val_key, y_val_key, input_shape, num_classes, targets, where, integer_inputs)
         return TensorDataset(x, y), TensorDataset(x_val, y_val)
     if num_folds is None and not 0 < val_fraction < 1:
         raise ConfigError(
@@ -98,6 +111,70 @@ def read_arrays(path: Path, where: str) -> dict[str, torch.Tensor]:
     return arrays
 
 
+def read_table(path: Path, where: str, x_key: str, y_key: str, columns: Sequence[str] | None) -> dict:
+    """A .csv or .parquet table as {x_key: the feature columns (N, F), y_key: the target column (N,)}."""
+    suffix = _check_path(path, where)
+    try:
+        if suffix == ".csv":
+            import csv
+
+            with path.open(newline="") as file:
+                rows = list(csv.reader(file))
+            header, body = (rows[0], rows[1:]) if rows else ([], [])
+            table = {name: [row[index] for row in body] for index, name in enumerate(header)}
+        else:
+            import pyarrow.parquet
+
+            table = pyarrow.parquet.read_table(path).to_pydict()
+    except ImportError:
+        raise ConfigError(f"{where}: reading parquet needs pyarrow; pip install pyarrow (in the hf extra)") from None
+    except Exception as error:  # noqa: BLE001  a corrupt or foreign file: one line
+        raise ConfigError(f"{where}: cannot be read as {suffix}: {first_line(error)}") from None
+    names = list(table)
+    if y_key not in table:
+        raise ConfigError(f"{where}: no column '{y_key}' (data.dataset.y_key); it has {_names(names) or 'none'}")
+    features = list(columns) if columns is not None else [name for name in names if name != y_key]
+    unknown = [name for name in features if name not in table]
+    if unknown or not features:
+        raise ConfigError(
+            f"data.dataset.feature_columns={list(features)}: "
+            + (f"no column {_names(unknown)}; " if unknown else "no feature columns; ")
+            + f"it has {_names(names)}"
+        )
+    return {x_key: _column_array(table, features, where), y_key: _column_array(table, [y_key], where)[:, 0]}
+
+
+def _column_array(table: dict, names: list[str], where: str) -> torch.Tensor:
+    """Columns as one tensor (N, len(names)): int64 where every column holds integers, else float64."""
+    columns = []
+    for name in names:
+        for convert in (_integer, float):
+            try:
+                columns.append(np.array([convert(value) for value in table[name]]))
+                break
+            except (TypeError, ValueError):
+                continue
+        else:
+            example = next((v for v in table[name] if not _is_number(v)), table[name][0])
+            raise ConfigError(f"{where}: column '{name}' holds values that are not numbers, e.g. {example!r}")
+    return torch.from_numpy(np.stack(columns, axis=1))
+
+
+def _integer(value: Any) -> int:
+    """An integer as a table holds it (an int, or a csv's digits), never a float cut short."""
+    if isinstance(value, (bool, float)) or not isinstance(value, (int, np.integer, str)):
+        raise TypeError(value)
+    return int(value)
+
+
+def _is_number(value: Any) -> bool:
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 def _reason(error: Exception) -> str:
     """Why a file could not be loaded. torch's weights-only refusal spans a page, the cause on one line of it."""
     text = str(error)
@@ -128,15 +205,22 @@ def _checked(
     num_classes: int,
     target_shape: list[int] | None,
     where: str,
+    integer_inputs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     x, y = arrays[x_key], arrays[y_key]
     for key, value in ((x_key, x), (y_key, y)):
         if not isinstance(value, torch.Tensor):
             raise ConfigError(f"{where}: '{key}' holds a {type(value).__name__}, not a tensor")
-    if not x.is_floating_point():
-        raise ConfigError(f"{where}: '{x_key}' has dtype {_dtype(x)}; inputs must be floating point (e.g. float32)")
+    integers = not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
+    if integer_inputs and not integers:
+        raise ConfigError(f"data.dataset.integer_inputs=true: '{x_key}' has dtype {_dtype(x)}, not integers")
+    if not integer_inputs and not x.is_floating_point():
+        raise ConfigError(
+            f"{where}: '{x_key}' has dtype {_dtype(x)}; inputs must be floating point (e.g. float32), or, for token "
+            "ids, integers with data.dataset.integer_inputs=true"
+        )
     if target_shape is not None:
-        return _with_real_targets(x, y, x_key, y_key, input_shape, target_shape, where)
+        return _with_real_targets(x, y, x_key, y_key, input_shape, target_shape, where, integer_inputs)
     if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
         raise ConfigError(
             f"{where}: '{y_key}' has dtype {_dtype(y)}; labels must be integer class indices (e.g. int64)"
@@ -165,7 +249,7 @@ def _checked(
         raise ConfigError(
             f"{where}: '{y_key}' holds labels from {low} to {high}, outside [0, data.num_classes={num_classes})"
         )
-    return _finite(x, x_key, where), y.to(torch.int64)
+    return (x.to(torch.int64) if integer_inputs else _finite(x, x_key, where)), y.to(torch.int64)
 
 
 def _with_real_targets(
@@ -176,6 +260,7 @@ def _with_real_targets(
     input_shape: list[int],
     target_shape: list[int],
     where: str,
+    integer_inputs: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`data.target_shape` set (task=regression): `y` holds real values shaped `(N, *target_shape)`."""
     if not y.is_floating_point():
@@ -195,7 +280,7 @@ def _with_real_targets(
             f"{where}: '{x_key}' samples have shape {list(x.shape[1:])} ('{x_key}' is {list(x.shape)}), "
             f"but data.input_shape={input_shape}"
         )
-    return _finite(x, x_key, where), _finite(y, y_key, where)
+    return (x.to(torch.int64) if integer_inputs else _finite(x, x_key, where)), _finite(y, y_key, where)
 
 
 def _finite(values: torch.Tensor, key: str, where: str) -> torch.Tensor:
