@@ -38,6 +38,9 @@ IMAGE_CNN = [*IMAGE_FOLDER, "data.num_workers=1", "model=cnn", "model.channels=[
 LARGER_FILES = DEFAULT_ROOT.with_name(f"{DEFAULT_ROOT.name}_128")
 # The bundled plays as character token files (scripts/prepare_text.py), for data=tokens.
 TOKEN_DIR = DEFAULT_ROOT.with_name("shakespeare_char_tokens")
+HF_GPT2 = ["data=text", "task=language_model", "model=hf", "model.model_type=gpt2", "+model.config.n_layer=2"]
+HF_GPT2 += ["+model.config.n_embd=64", "+model.config.n_head=4", "+model.config.n_positions=64", "data.block_size=64"]
+HF_GPT2 += ["data.batch_size=32", "trainer.limit_train_batches=40"]
 WORKLOADS = {
     "synthetic MLP": ["data=synthetic", "data.dataset.num_train=16384", "data.batch_size=256", "model=mlp"],
     "MNIST-1D CNN": ["data=mnist1d", "data.batch_size=128", "model=cnn"],
@@ -67,6 +70,12 @@ WORKLOADS = {
         f"data.dataset.dir={TOKEN_DIR}",
         "trainer.limit_train_batches=40",
     ],
+    # A transformers GPT-2 (model=hf, 2 layers of 64, 32 x 64 characters a step), without dropout: the same model
+    # in both loops; the hand-written loop reads the logits from its output, as the task does.
+    "HF GPT-2": [*HF_GPT2, "+model.config.resid_pdrop=0", "+model.config.embd_pdrop=0", "+model.config.attn_pdrop=0"],
+    # GPT-2's own dropout (0.1): hydraloop's keyed masks and attention against transformers' model as it ships
+    # (nn.Dropout, and dropout inside torch's fused attention), which is what a hand-written loop would train.
+    "HF GPT-2, dropout": HF_GPT2,
 }
 DICT_BATCHES = {"GPT, dict batches"}
 
@@ -191,7 +200,8 @@ def handwritten_epoch(cfg, device: torch.device, dict_batches: bool = False):
 
 def _handwritten_epoch(cfg, device: torch.device, loader, steps: int, dict_batches: bool):
     torch.manual_seed(cfg.seed)
-    model = instantiate(cfg.model).to(device)
+    plain = {"keyed_dropout": False} if cfg.model._target_.endswith("hf_model") else {}  # transformers' own dropout
+    model = instantiate(cfg.model, **plain).to(device)
     optimizer = build_optimizer(cfg.optimizer, model)  # the recipe's parameter groups, as nanoGPT builds its own
     clip = cfg.trainer.grad_clip_norm
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(cfg.trainer.precision))
@@ -211,6 +221,7 @@ def _handwritten_epoch(cfg, device: torch.device, loader, steps: int, dict_batch
                 inputs, targets = batch[0].to(device, non_blocking=True), batch[1].to(device, non_blocking=True)
             with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
                 outputs = model(**batch) if dict_batches else model(inputs)
+                outputs = getattr(outputs, "logits", outputs)  # a transformers model's output holds them
                 # (N, classes) and (N,), or a language model's (B, T, vocab) and (B, T): one call for both.
                 loss = F.cross_entropy(outputs.flatten(0, -2), targets.flatten())
             optimizer.zero_grad(set_to_none=True)
