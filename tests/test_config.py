@@ -43,6 +43,8 @@ NEEDS = {  # the values an option requires (???), or the data it is meant for
     "data=image_folder": ["data.dataset.root=/nowhere", "data.num_classes=10"],  # else counted there: 0
     "experiment=imagenet_resnet50": ["data.dataset.root=/nowhere", "data.num_classes=1000"],
     "model=gpt": ["data=text", "task=language_model"],
+    "model=hf": ["model.model_type=gpt2", "data=text", "task=language_model"],
+    "data=hf": ["data.dataset.path=/nowhere.csv", "data.num_classes=2"],
     "data=tokens": ["data.dataset.dir=TOKENS", "model=gpt", "task=language_model"],
     "experiment=nanogpt_shakespeare_char_cpu": ["data.dataset.dir=TOKENS"],
     "experiment=gpt2_124m": ["data.dataset.dir=TOKENS"],

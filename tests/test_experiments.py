@@ -14,8 +14,16 @@ from conftest import REPO, compose_train
 EXPERIMENTS = sorted(path.stem for path in (REPO / "conf" / "experiment").glob("*.yaml"))
 # Not here: ImageNet (test_images.py runs that recipe's first steps on a small image folder) and the recipes on token
 # files, whose corpora are not shipped or must be prepared first (test_tokens.py runs their first steps on the bundled
-# plays, the bundled complete works and random ids).
-ELSEWHERE = {"imagenet_resnet50", "nanogpt_shakespeare_char_cpu", "gpt2_124m", "shakespeare_bpe"}
+# plays, the bundled complete works and random ids); and pretraining then fine-tuning a Hugging Face model, whose
+# export the fine-tune starts from (test_hf_recipe.py runs both at tiny sizes, from the documented commands).
+ELSEWHERE = {
+    "imagenet_resnet50",
+    "nanogpt_shakespeare_char_cpu",
+    "gpt2_124m",
+    "shakespeare_bpe",
+    "hf_pretrain",
+    "hf_finetune",
+}
 RUNNABLE = [name for name in EXPERIMENTS if name not in ELSEWHERE]
 # A GAN's end state is chaotic in round-off (another CPU, another thread count: another set of modes), so its figure
 # is measured, not held to; test_several_optimizers.py runs its steps under every strategy against single.
