@@ -3,9 +3,9 @@
 `name_or_path` is a folder written by `save_pretrained`, or a name already in the Hugging Face cache ($HF_HOME/hub):
 hydraloop never downloads at run time, and a model that is in neither is one line saying what to fetch where.
 `from_config=true` (or `model_type` alone, e.g. `model.model_type=gpt2`) builds the architecture with fresh weights,
-with `model.config.*` overriding its config (`model.config.n_layer=2`). The model is the transformers model itself,
-so checkpoints hold its own keys and the task calls it as Hugging Face documents (input ids, or a dict batch by
-keyword), reading `logits` from its output.
+with `model.config.*` overriding its config (`+model.config.n_layer=2`: a + adds a key). The model is the
+transformers model itself, so checkpoints hold its own keys and the task calls it as Hugging Face documents (input
+ids, or a dict batch by keyword), reading `logits` from its output.
 
 Dropout. A transformers model draws its dropout masks with torch's generator (nn.Dropout, and functional dropout on
 the attention weights), so single-process training, ddp and accumulation would each compute different weights.
@@ -17,6 +17,7 @@ dropout applies (evaluation, or no attention dropout), and otherwise explicitly 
 
 import difflib
 import importlib.util
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from hydraloop.errors import ConfigError, require
 from hydraloop.keyed_dropout import KeyedDropout, keyed_dropout, mix_int
 
 KEYED_ATTENTION = "hydraloop_keyed"
+log = logging.getLogger(__name__)
 
 
 def hf_model(
@@ -79,9 +81,17 @@ def hf_model(
     if fresh or torch.get_default_device().type == "meta":
         model = auto.from_config(model_config, **attention)
     else:
-        model = auto.from_pretrained(
-            name_or_path, config=model_config, local_files_only=True, ignore_mismatched_sizes=True, **attention
+        model, loading = auto.from_pretrained(
+            name_or_path,
+            config=model_config,
+            local_files_only=True,
+            ignore_mismatched_sizes=True,
+            output_loading_info=True,
+            **attention,
         )
+        fresh_keys = [*loading.get("missing_keys", []), *(key for key, *_ in loading.get("mismatched_keys", []))]
+        if fresh_keys:  # a classifier's new head, say: what transformers' own warning would say
+            log.info("model.name_or_path=%s: loaded all but %s, which start fresh", name_or_path, ", ".join(fresh_keys))
     if keyed_dropout:
         use_keyed_dropout(model)
     if gradient_checkpointing:
@@ -101,7 +111,7 @@ def import_transformers() -> Any:
         )
     import transformers
 
-    transformers.logging.set_verbosity_error()  # its notes on fresh heads and unused weights: hydraloop logs its own
+    transformers.logging.set_verbosity_error()  # its notes on fresh heads: hf_model logs its own, in one line
     transformers.logging.disable_progress_bar()  # bars for reading and writing weights, in every log
     return transformers
 
