@@ -158,3 +158,27 @@ def test_what_it_cannot_build_is_one_line(arguments, expected):
     with torch.device("meta"), pytest.raises(ConfigError) as error:
         hf_model(**arguments)
     assert expected in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_missing_extra_is_one_line_naming_it(monkeypatch):
+    """As on a machine without the extras: find_spec finds none of their packages."""
+    import importlib.util
+
+    from hydraloop.data.hf import import_datasets
+    from hydraloop.metrics import MetricSet
+    from hydraloop.models.hf import import_transformers
+    from hydraloop.models.timm_model import import_timm
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in EXTRAS else real(name, *a))
+    for load, extra in (
+        (import_transformers, "hf"),
+        (import_datasets, "hf"),
+        (import_timm, "timm"),
+        (lambda: MetricSet({"f1": {"_target_": "torchmetrics.F1Score"}}, torch.device("cpu")), "metrics"),
+    ):
+        with pytest.raises(ConfigError, match=rf"pip install 'hydraloop\[{extra}\]'"):
+            load()
+
+
+EXTRAS = ("transformers", "datasets", "timm", "torchmetrics")
