@@ -187,7 +187,7 @@ def test_run_directory_checkpoint_that_does_not_fit(run_train, checkpoint, tmp_p
     [
         (
             ["model=transformer"],
-            "model=transformer: 'transformer' is not an option of model (cnn, gan, gpt, mlp, torchvision)",
+            "model=transformer: 'transformer' is not an option of model (cnn, gan, gpt, hf, mlp, timm, torchvision)",
         ),
         (["logger=[csv,foo]"], "logger=[csv,foo]: 'foo' is not an option of logger (csv, mlflow, none, tensorboard"),
         (["+experiment=text_gtp"], "+experiment=text_gtp: 'text_gtp' is not an option of experiment (diabetes_mlp,"),
