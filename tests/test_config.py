@@ -49,6 +49,9 @@ NEEDS = {  # the values an option requires (???), or the data it is meant for
     "experiment=nanogpt_shakespeare_char_cpu": ["data.dataset.dir=TOKENS"],
     "experiment=gpt2_124m": ["data.dataset.dir=TOKENS"],
     "experiment=shakespeare_bpe": ["data.dataset.dir=TOKENS"],
+    "experiment=hf_pretrain": ["data.dataset.dir=TOKENS"],
+    # Its export is made by experiment=hf_pretrain (test_hf_recipe.py): here the architecture alone, no tokenizer.
+    "experiment=hf_finetune": ["model.name_or_path=null", "model.model_type=gpt2", "data.dataset.tokenizer=null"],
     "task=adversarial_ring": ["data=ring", "model=gan", "optimizer=gan"],
 }
 
