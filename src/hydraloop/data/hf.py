@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from hydraloop.data.cache import cached_arrays
+from hydraloop.data.cache import cached_arrays, default_cache_dir
 from hydraloop.errors import ConfigError, require
 
 FILE_BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
@@ -75,7 +75,7 @@ def load_hf_dataset(
     """(train, val) of the data set at `path`, tokenized by `tokenizer` (see the module docstring)."""
     require(tokenizer is not None, "data.dataset.tokenizer=null: give a folder or cache name holding one, or a .json")
     require(max_length > 0, f"data.block_size={max_length}: must be positive")
-    splits = _read_splits(path)
+    splits = _read_splits(path, Path(cache_dir) if cache_dir else default_cache_dir())
     require(
         train_split in splits,
         f"data.dataset.train_split={train_split}: {path} has the splits {', '.join(splits)}",
@@ -121,7 +121,8 @@ def import_datasets() -> Any:
     return datasets
 
 
-def _read_splits(path: str) -> dict[str, Any]:
+def _read_splits(path: str, cache: Path) -> dict[str, Any]:
+    """The data set's splits; a file's Arrow conversion goes into hydraloop's data cache, beside the tokenized ones."""
     datasets = import_datasets()
     local = Path(path)
     try:
@@ -129,7 +130,8 @@ def _read_splits(path: str) -> dict[str, Any]:
             loaded = datasets.load_from_disk(str(local))
         elif local.suffix in FILE_BUILDERS:
             require(local.is_file(), f"data.dataset.path={path}: no such file")
-            loaded = datasets.load_dataset(FILE_BUILDERS[local.suffix], data_files={"train": str(local)})
+            files = {"train": str(local)}
+            loaded = datasets.load_dataset(FILE_BUILDERS[local.suffix], data_files=files, cache_dir=str(cache / "hf"))
         else:
             loaded = datasets.load_dataset(path)
     except ConfigError:
