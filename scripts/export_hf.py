@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from hydra.utils import instantiate
 
+from hydraloop.checkpoint import load_checkpoint
 from hydraloop.data.tokens import Codec
 from hydraloop.errors import BAD_INPUT_EXIT_CODE, ConfigError
 from hydraloop.models.hf import import_transformers
@@ -74,14 +75,9 @@ def export(checkpoint_path: Path, out: Path) -> float:
 
 
 def _read(path: Path) -> tuple[dict, dict]:
-    if not path.is_file():
-        raise ConfigError(f"{path}: no such file")
-    try:
-        checkpoint: Any = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # not a checkpoint at all: one line, without the unpickler's story
-        raise ConfigError(f"{path}: cannot be read as a checkpoint: {str(error).strip().splitlines()[0]}") from None
-    config = checkpoint.get("config") if isinstance(checkpoint, dict) else None
-    target = (config or {}).get("model", {}).get("_target_") if isinstance(config, dict) else None
+    checkpoint = load_checkpoint(path, source=str(path))  # a missing or unreadable file is one line there
+    config = checkpoint.get("config") or {}
+    target = (config.get("model") or {}).get("_target_")
     if target != HF_MODEL:
         raise ConfigError(f"{path}: not a model=hf checkpoint (its model is {target}); only those export to a folder")
     return checkpoint, config

@@ -28,6 +28,9 @@ class MetricSet:
     def __init__(self, node: Any, device: torch.device) -> None:
         self.metrics = {f"val/{name}": metric.to(device) for name, metric in build_metrics(node).items()}
 
+    def __bool__(self) -> bool:  # none configured: validation does nothing for them
+        return bool(self.metrics)
+
     @property
     def names(self) -> list[str]:
         return list(self.metrics)
