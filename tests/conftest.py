@@ -113,6 +113,37 @@ def run_train(train_env, tmp_path_factory):
     return run
 
 
+@pytest.fixture(scope="session")
+def run_refused(train_env, tmp_path_factory):
+    """run_refused(*overrides, run_dir=None) -> Run: `python src/train.py OVERRIDES` as run_train runs it, for a
+    command expected to be refused before any rank starts, forked from tests/fork_server.py (torch imported once)."""
+    server = subprocess.Popen(
+        [sys.executable, str(REPO / "tests" / "fork_server.py")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=train_env,
+        text=True,
+    )
+
+    def run(*overrides: str, run_dir: Path | None = None) -> Run:
+        run_dir = run_dir or tmp_path_factory.mktemp("run")
+        flags = [arg for arg in overrides if arg.startswith("-")]
+        overrides = [arg for arg in overrides if not arg.startswith("-")]
+        output = Path(tempfile.mkstemp(prefix="refused-", suffix=".txt")[1])
+        request = {"args": [*flags, f"hydra.run.dir={run_dir}", *overrides], "cwd": str(REPO), "output": str(output)}
+        server.stdin.write(json.dumps(request) + "\n")
+        server.stdin.flush()
+        reply = server.stdout.readline()
+        assert reply, "tests/fork_server.py ended"
+        text = output.read_text()
+        output.unlink()
+        return Run(json.loads(reply)["returncode"], text, Path(run_dir))
+
+    yield run
+    server.stdin.close()
+    server.wait(timeout=60)
+
+
 def torchrun_command(
     *overrides: str, launcher_args: tuple[str, ...] = ("--standalone", "--nproc_per_node=2"), parallel: str = "ddp"
 ) -> list[str]:

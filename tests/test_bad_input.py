@@ -60,8 +60,8 @@ def assert_rejected(run, *expected: str) -> str:
         ("model._target_=hydraloop.models.mlpx.MLP", "cannot import it: No module named 'hydraloop.models.mlpx'"),
     ],
 )
-def test_out_of_range_value(run_train, override, message):
-    assert_rejected(run_train(*override.split()), message)
+def test_out_of_range_value(run_refused, override, message):
+    assert_rejected(run_refused(*override.split()), message)
 
 
 @pytest.mark.parametrize(
@@ -84,22 +84,22 @@ def test_out_of_range_value(run_train, override, message):
         (["scheduler=cosine", "scheduler.min_lr_ratio=2"], "scheduler.min_lr_ratio=2: must be between 0 and 1"),
     ],
 )
-def test_a_value_the_model_optimizer_or_scheduler_refuses_ends_the_run_before_any_rank(run_train, overrides, message):
+def test_a_value_the_model_optimizer_or_scheduler_refuses_ends_the_run_before_any_rank(run_refused, overrides, message):
     """checks.check_model and check_optimization build them in the launcher (the model on the meta device, the
     optimizer and the scheduler on one CPU parameter): the ranks would otherwise each fail with a traceback from
     inside Hydra's instantiate (or, for a schedule or an even kernel, at their first step)."""
-    run = run_train("parallel=ddp", *overrides)
+    run = run_refused("parallel=ddp", *overrides)
     assert assert_rejected(run, message).endswith(message)
     assert "[rank " not in run.output  # no rank started
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
-def test_cuda_without_cuda(run_train):
-    assert_rejected(run_train("device=cuda"), "device=cuda: CUDA is not available")
+def test_cuda_without_cuda(run_refused):
+    assert_rejected(run_refused("device=cuda"), "device=cuda: CUDA is not available")
 
 
-def test_global_batch_not_divisible_by_ddp_world_size(run_train):
-    run = run_train("parallel=ddp", "parallel.nproc_per_node=2", "data.batch_size=63")
+def test_global_batch_not_divisible_by_ddp_world_size(run_refused):
+    run = run_refused("parallel=ddp", "parallel.nproc_per_node=2", "data.batch_size=63")
     assert_rejected(run, "data.batch_size=63", "world size 2")
     # Rejected in the launcher: no rank ever logged (workers would log training or "[rank 1]" lines).
     assert "hydraloop.trainer" not in run.output
@@ -107,15 +107,15 @@ def test_global_batch_not_divisible_by_ddp_world_size(run_train):
     assert not run.run_dir.exists()  # refused before anything was written: not even train.log
 
 
-def test_nccl_with_more_processes_than_gpus(run_train):
+def test_nccl_with_more_processes_than_gpus(run_refused):
     gpus = torch.cuda.device_count()
     nproc = max(2, gpus + 1)
-    run = run_train("parallel=ddp", "parallel.backend=nccl", f"parallel.nproc_per_node={nproc}")
+    run = run_refused("parallel=ddp", "parallel.backend=nccl", f"parallel.nproc_per_node={nproc}")
     assert_rejected(run, f"parallel.nproc_per_node={nproc}", f"only {gpus} GPU(s) visible")
 
 
-def test_ddp_with_zero_processes(run_train):
-    run = run_train("parallel=ddp", "parallel.nproc_per_node=0", "trainer.max_epochs=1")
+def test_ddp_with_zero_processes(run_refused):
+    run = run_refused("parallel=ddp", "parallel.nproc_per_node=0", "trainer.max_epochs=1")
     assert_rejected(run, "parallel.nproc_per_node=0", "must be at least 1")
 
 
@@ -130,22 +130,22 @@ def checkpoint(run_train):
     return run.run_dir / "checkpoints" / "last.pt"
 
 
-def test_checkpoint_that_does_not_exist(run_train, tmp_path):
+def test_checkpoint_that_does_not_exist(run_refused, tmp_path):
     path = tmp_path / "nowhere" / "last.pt"
-    assert_rejected(run_train(f"ckpt_path={path}"), f"ckpt_path={path}: no such file")
+    assert_rejected(run_refused(f"ckpt_path={path}"), f"ckpt_path={path}: no such file")
 
 
-def test_checkpoint_that_is_not_a_checkpoint(run_train, tmp_path):
+def test_checkpoint_that_is_not_a_checkpoint(run_refused, tmp_path):
     path = tmp_path / "garbage.pt"
     path.write_bytes(bytes(range(256)) * 16)
-    assert_rejected(run_train(f"ckpt_path={path}"), f"ckpt_path={path}: not a readable checkpoint")
+    assert_rejected(run_refused(f"ckpt_path={path}"), f"ckpt_path={path}: not a readable checkpoint")
 
 
-def test_checkpoint_missing_keys(run_train, tmp_path):
+def test_checkpoint_missing_keys(run_refused, tmp_path):
     path = tmp_path / "partial.pt"
     torch.save({"model": {}, "epoch": 1}, path)
     assert_rejected(
-        run_train(f"ckpt_path={path}"),
+        run_refused(f"ckpt_path={path}"),
         f"ckpt_path={path}: not a hydraloop checkpoint (missing optimizer, scheduler, global_step, rng)",
     )
 
@@ -161,19 +161,19 @@ def test_checkpoint_missing_keys(run_train, tmp_path):
         ("optimizer=sgd", "holds torch.optim.AdamW state"),
     ],
 )
-def test_checkpoint_that_does_not_fit(run_train, checkpoint, override, message):
-    run = run_train(f"ckpt_path={checkpoint}", override, "trainer.max_epochs=2")
+def test_checkpoint_that_does_not_fit(run_refused, checkpoint, override, message):
+    run = run_refused(f"ckpt_path={checkpoint}", override, "trainer.max_epochs=2")
     assert_rejected(run, f"ckpt_path={checkpoint}", message)
 
 
-def test_run_directory_checkpoint_that_does_not_fit(run_train, checkpoint, tmp_path):
+def test_run_directory_checkpoint_that_does_not_fit(run_refused, checkpoint, tmp_path):
     """resume=true continues from the run directory's own last.pt; a config it does not fit says so, and how to
     start over, without touching that checkpoint."""
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)
     own = run_dir / "checkpoints" / "last.pt"
     shutil.copy(checkpoint, own)
-    error = bad_input_line(run_train("model.hidden_sizes=[32]", run_dir=run_dir))
+    error = bad_input_line(run_refused("model.hidden_sizes=[32]", run_dir=run_dir))
     assert f"resume=true: {own}: does not fit model hydraloop.models.mlp.MLP" in error
     assert error.endswith("(resume=false starts the run directory over)")
     assert own.read_bytes() == checkpoint.read_bytes()
@@ -197,8 +197,8 @@ def test_run_directory_checkpoint_that_does_not_fit(run_train, checkpoint, tmp_p
         ),
     ],
 )
-def test_unknown_group_option(run_train, tmp_path, overrides, message):
-    run = run_train(*overrides, f"hydra.sweep.dir={tmp_path / 'sweep'}", run_dir=tmp_path / "never")
+def test_unknown_group_option(run_refused, tmp_path, overrides, message):
+    run = run_refused(*overrides, f"hydra.sweep.dir={tmp_path / 'sweep'}", run_dir=tmp_path / "never")
     assert message in bad_input_line(run)
     assert not run.run_dir.exists() and not (tmp_path / "sweep").exists()
 
@@ -222,8 +222,8 @@ def test_a_group_option_registered_in_python_is_an_option():
         ),
     ],
 )
-def test_what_hydras_composition_refuses_is_one_line_before_anything_is_made(run_train, tmp_path, override, message):
+def test_what_hydras_composition_refuses_is_one_line_before_anything_is_made(run_refused, tmp_path, override, message):
     """Hydra's own errors for these span several lines and exit with 1 (hydraloop.command_line composes first)."""
-    run = run_train(override, run_dir=tmp_path / "never")
+    run = run_refused(override, run_dir=tmp_path / "never")
     assert bad_input_line(run).endswith(message)
     assert not run.run_dir.exists()

@@ -130,30 +130,30 @@ def assert_refused_before_anything(run, expected: str, sweep_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("overrides, expected", ROWS, ids=[" ".join(row[0]) for row in ROWS])
-def test_a_mistake_is_one_line_and_writes_nothing(run_train, tmp_path, made, overrides, expected):
+def test_a_mistake_is_one_line_and_writes_nothing(run_refused, tmp_path, made, overrides, expected):
     sweep_dir = tmp_path / "new" / "sweep"
     overrides, expected = substituted(overrides, made), substituted([expected], made)[0]
-    run = run_train(*overrides, f"hydra.sweep.dir={sweep_dir}", run_dir=tmp_path / "new" / "run")
+    run = run_refused(*overrides, f"hydra.sweep.dir={sweep_dir}", run_dir=tmp_path / "new" / "run")
     assert_refused_before_anything(run, expected, sweep_dir)
     assert not (tmp_path / "new").exists()  # nor the folders above it that Hydra made for it
 
 
 @pytest.mark.parametrize("arrays, expected", TENSOR_FILES)
-def test_a_tensors_file_is_checked_in_the_launcher(run_train, tmp_path, arrays, expected):
+def test_a_tensors_file_is_checked_in_the_launcher(run_refused, tmp_path, arrays, expected):
     path = tmp_path / "data.npz"
     regression = (
         ("task=regression", "data.target_shape=[]", "data.num_classes=1") if arrays.pop("regression", 0) else ()
     )
     np.savez(path, **arrays)
-    run = run_train(*TENSORS, *regression, f"data.dataset.path={path}", "parallel=ddp", run_dir=tmp_path / "run")
+    run = run_refused(*TENSORS, *regression, f"data.dataset.path={path}", "parallel=ddp", run_dir=tmp_path / "run")
     assert_refused_before_anything(run, expected, tmp_path / "sweep")
     assert "[rank " not in run.output
 
 
-def test_a_pt_file_that_needs_unpickling_says_why_without_escapes(run_train, tmp_path):
+def test_a_pt_file_that_needs_unpickling_says_why_without_escapes(run_refused, tmp_path):
     path = tmp_path / "data.pt"
     torch.save({"x": torch.zeros(4, 3), "y": torch.arange(4), "note": object()}, path)
-    run = run_train(*TENSORS, f"data.dataset.path={path}", run_dir=tmp_path / "run")
+    run = run_refused(*TENSORS, f"data.dataset.path={path}", run_dir=tmp_path / "run")
     assert_refused_before_anything(run, "it holds more than tensors", tmp_path / "sweep")
     assert "\x1b[" not in run.output
 
@@ -187,10 +187,10 @@ def test_an_experiment_file_that_cannot_compose_is_one_line(train_env, tmp_path)
     assert not (tmp_path / "outputs").exists()
 
 
-def test_an_image_size_of_no_pixels_is_one_line(run_train, image_folder, tmp_path):
+def test_an_image_size_of_no_pixels_is_one_line(run_refused, image_folder, tmp_path):
     """It used to escape hydraloop's handler as Hydra's "Error executing job" from the folder's launcher check."""
     overrides = ("data=image_folder", f"data.dataset.root={image_folder}", "data.image_size=0", "model=cnn")
-    run = run_train(*overrides, run_dir=tmp_path / "run")
+    run = run_refused(*overrides, run_dir=tmp_path / "run")
     assert_refused_before_anything(run, "data.input_shape=[3, 0, 0]: must be positive sizes", tmp_path / "sweep")
 
 
@@ -207,29 +207,29 @@ def test_a_rank_whose_peers_never_come_ends_in_one_line(train_env, tmp_path):
     assert "within parallel.timeout_s=3" in errors[0]
 
 
-def test_predicting_fewer_inputs_than_ranks_is_refused_in_the_launcher(run_train, tmp_path, classifier):
+def test_predicting_fewer_inputs_than_ranks_is_refused_in_the_launcher(run_refused, tmp_path, classifier):
     path = tmp_path / "one.npz"
     np.savez(path, x=np.zeros((1, 1, 8, 8), np.float32))
     overrides = ("mode=predict", f"ckpt_path={classifier}", f"data.predict_path={path}", "parallel=ddp")
-    run = run_train(*overrides, run_dir=tmp_path / "run")
+    run = run_refused(*overrides, run_dir=tmp_path / "run")
     assert_refused_before_anything(run, "1 input(s), fewer than the 2 ranks", tmp_path / "sweep")
 
 
-def test_an_evaluation_into_a_training_runs_checkpoints_folder_is_refused(run_train, classifier):
+def test_an_evaluation_into_a_training_runs_checkpoints_folder_is_refused(run_refused, classifier):
     folder = classifier.parent
     before = sorted(path.name for path in folder.iterdir())
-    run = run_train("mode=eval", f"ckpt_path={classifier}", run_dir=folder)
+    run = run_refused("mode=eval", f"ckpt_path={classifier}", run_dir=folder)
     assert "holds a training run's records" in bad_input_line(run)
     assert sorted(path.name for path in folder.iterdir()) == before
 
 
-def test_a_truncated_last_checkpoint_names_resume_and_how_to_start_over(run_train, tmp_path):
+def test_a_truncated_last_checkpoint_names_resume_and_how_to_start_over(run_train, run_refused, tmp_path):
     run_dir = tmp_path / "run"
     first = run_train("trainer.max_epochs=1", "trainer.keep_last_k=1", "logger=none", run_dir=run_dir)
     assert first.returncode == 0, first.output
     for path in (run_dir / "checkpoints").glob("*.pt"):
         path.write_bytes(path.read_bytes()[:100])
-    error = bad_input_line(run_train("trainer.max_epochs=2", "logger=none", run_dir=run_dir))
+    error = bad_input_line(run_refused("trainer.max_epochs=2", "logger=none", run_dir=run_dir))
     assert f"resume=true: {run_dir / 'checkpoints' / 'last.pt'}: not a readable checkpoint" in error
     assert error.endswith("(resume=false starts the run directory over)")
 
