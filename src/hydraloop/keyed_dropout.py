@@ -120,7 +120,7 @@ def keyed_dropout(x: Tensor, p: float, key_term: int) -> Tensor:
     """Dropout of `x` (rows first) in training: keyed by the loop's rows where it set them, else plain F.dropout.
     `key_term` is `mix_int` of the layer's key (KeyedDropout's; models/hf.py's for attention weights)."""
     keys = current_rows()
-    if keys is None:
+    if keys is None or not len(keys[0]):  # none set; or a micro-batch of no rows, which a model ran as a dummy row
         return F.dropout(x, p, training=True)
     rows, step_key = keys
     # An element's key is hashed from its coordinates one dimension at a time, not from its offset in the row: the

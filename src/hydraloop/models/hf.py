@@ -19,6 +19,7 @@ import difflib
 import importlib.util
 import logging
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,7 @@ def hf_model(
             log.info("model.name_or_path=%s: loaded all but %s, which start fresh", name_or_path, ", ".join(fresh_keys))
     if keyed_dropout:
         use_keyed_dropout(model)
+    take_batches_of_no_rows(model)
     if gradient_checkpointing:
         require(
             model.supports_gradient_checkpointing,
@@ -101,6 +103,37 @@ def hf_model(
         )
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def take_batches_of_no_rows(model: nn.Module) -> None:
+    """Lets `model` take a batch of no rows, which the loop hands a rank with no row of an incomplete last batch:
+    transformers' models cannot (GPT-2 reshapes its attention mask with a -1). Such a batch runs as one row of ones
+    (valid ids, an unmasked position), and the outputs come back with no rows: the rank still runs every layer and
+    joins the gradient reduction, with zero gradients."""
+    empty: list[bool] = []  # per call (nested calls have their own): did it get a batch of no rows?
+
+    def grown(value: Any) -> Any:
+        if isinstance(value, Tensor) and value.dim() and value.shape[0] == 0:
+            return value.new_ones((1, *value.shape[1:]))
+        return value
+
+    def before(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        first = next((v for v in [*args, *kwargs.values()] if isinstance(v, Tensor) and v.dim()), None)
+        empty.append(first is not None and first.shape[0] == 0)
+        if not empty[-1]:
+            return args, kwargs
+        return tuple(map(grown, args)), {key: grown(value) for key, value in kwargs.items()}
+
+    def after(module: nn.Module, args: tuple, kwargs: dict, outputs: Any) -> Any:
+        if not empty.pop() or not isinstance(outputs, Mapping):  # a tuple (return_dict=False), or None on an error
+            return outputs
+        for key, value in outputs.items():
+            if isinstance(value, Tensor) and value.dim() and value.shape[0] == 1:
+                outputs[key] = value[:0]
+        return outputs
+
+    model.register_forward_pre_hook(before, with_kwargs=True)
+    model.register_forward_hook(after, with_kwargs=True, always_call=True)
 
 
 def import_transformers() -> Any:
