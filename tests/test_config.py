@@ -45,6 +45,11 @@ NEEDS = {  # the values an option requires (???), or the data it is meant for
     "model=gpt": ["data=text", "task=language_model"],
     "model=hf": ["model.model_type=gpt2", "data=text", "task=language_model"],
     "data=hf": ["data.dataset.path=/nowhere.csv", "data.num_classes=2"],
+    # The vocabulary size given, not read from a tokenizer (test_hf_data.py reads one).
+    "data=hf_lm": [
+        *["data.dataset.path=/nowhere.txt", "data.vocab_size=300"],
+        *["model=hf", "model.model_type=gpt2", "task=language_model"],
+    ],
     "data=tokens": ["data.dataset.dir=TOKENS", "model=gpt", "task=language_model"],
     "experiment=nanogpt_shakespeare_char_cpu": ["data.dataset.dir=TOKENS"],
     "experiment=gpt2_124m": ["data.dataset.dir=TOKENS"],

@@ -126,6 +126,8 @@ class DataConfig:
     """data=text: the vocabulary, resolved from the file (hydraloop.data.text); null at byte level."""
     vocab_size: int | None = None
     """Sequence data: the number of distinct tokens, read by a language model as model.vocab_size."""
+    padded: bool = False
+    """Sequences of their own lengths, padded per batch (data=hf_lm): task=language_model weights the loss by tokens."""
     tokenizer: Any = None
     """data=tokens: the tokenizer that made the token files (from their meta.json), kept with the config so that a
     resume or sampling can tell another tokenizer's corpus."""

@@ -94,10 +94,11 @@ def metric_mode(task: str, metric: str, extra: Any = None) -> str:
 def register_resolvers() -> None:
     """`${sweep_direction:max}` -> maximize (for sweepers), `${shared_run_path:}`, `${default_metric:<task class>}`,
     `${metric_mode:<task class>,<metric>}`, data=text's `${text_vocab:path,level}` and `${text_vocab_size:vocab}`,
-    data=tokens' `${token_meta:dir,key}`, model=timm's `${timm_data:name,key}`,
+    data=tokens' `${token_meta:dir,key}`, data=hf_lm's `${hf_vocab_size:tokenizer,pad_token}`,
+    model=timm's `${timm_data:name,key}`,
     `${image_folder_classes:root}`, `${linear_scaling:0.1,256,${data.batch_size}}` and `${resize_for_center_crop:224}`.
     """
-    from hydraloop.data import text, tokens  # here, not at the top: the modules import torch and numpy
+    from hydraloop.data import hf, text, tokens  # here, not at the top: the modules import torch and numpy
     from hydraloop.models import timm_model
 
     resolvers: dict[str, Callable[..., Any]] = {
@@ -107,6 +108,7 @@ def register_resolvers() -> None:
         "text_vocab": _reporting_config_errors(text.text_vocab),
         "text_vocab_size": _reporting_config_errors(text.vocab_size),
         "token_meta": _reporting_config_errors(tokens.token_meta),
+        "hf_vocab_size": _reporting_config_errors(hf.tokenizer_size),
         "timm_data": _reporting_config_errors(timm_model.timm_data),
         "image_folder_classes": image_folder_classes,
         "linear_scaling": linear_scaling,

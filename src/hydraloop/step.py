@@ -3,10 +3,12 @@ mixed precision, clipping, and what a non-finite loss does.
 
 Every micro-batch's loss is weighted by its rows over the global batch's (times the world size, since DDP and FSDP
 average gradients over the ranks), so a step's gradient is the mean over the global batch's rows whatever the world
-size, the number of micro-batches, and however unevenly an incomplete last batch splits over them. Every rank runs
-the same number of micro-batches in a step, an empty one where it holds no row of that part of the global batch:
-FSDP gathers parameters in every forward and DDP may broadcast buffers there, collectives all ranks must join. The
-last micro-batch's backward always synchronises gradients.
+size, the number of micro-batches, and however unevenly an incomplete last batch splits over them. A task whose loss
+is a mean over something else (`Task.loss_weight`: a padded language model's target tokens) has its micro-batches
+weighted by that count over the global batch's instead, for the same property. Every rank runs the same number of
+micro-batches in a step, an empty one where it holds no row of that part of the global batch: FSDP gathers parameters
+in every forward and DDP may broadcast buffers there, collectives all ranks must join. The last micro-batch's backward
+always synchronises gradients.
 
 With several optimizers (hydraloop.optim) a step is one such pass per optimizer the task names, in its order
 (`Task.optimizer_steps`: a GAN's discriminator, then its generator), each over the same batch with the task's loss for
@@ -92,6 +94,7 @@ class OptimizerStep:
         # A skipped step must leave the model as it was: its forward pass moved batch norm's running statistics too.
         buffers = [buffer.clone() for buffer in self.float_buffers] if self.skip_nonfinite else []
         micro_batches = self.micro_batches(batch, global_rows)
+        shares = self.loss_shares(micro_batches)
         last = len(micro_batches) - 1
         loss_sum = None
         for i, (micro_batch, first_row, rows) in enumerate(micro_batches):
@@ -107,12 +110,16 @@ class OptimizerStep:
                     # with a zero gradient: this rank joins the gradient reduction with nothing to add.
                     self.precision.backward(loss * 0.0)
                     continue
-                # The micro-batch's share of the global batch: rows / global_rows, times the world size, since DDP
-                # and FSDP average over the ranks (1 without accumulation; 1 / grad_accum_steps for a whole batch).
-                divisor = global_rows / (rows * self.world_size)
-                self.precision.backward(loss if divisor == 1.0 else loss / divisor)
-            weighted = loss.detach() if divisor == 1.0 else loss.detach() / divisor
-            loss_sum = weighted if loss_sum is None else loss_sum + weighted
+                if shares is None:
+                    # The micro-batch's share of the global batch: rows / global_rows, times the world size, since
+                    # DDP and FSDP average over the ranks (1 without accumulation; 1 / grad_accum_steps for a whole
+                    # batch).
+                    divisor = global_rows / (rows * self.world_size)
+                    weighted = loss if divisor == 1.0 else loss / divisor
+                else:
+                    weighted = loss * shares[i]
+                self.precision.backward(weighted)
+            loss_sum = weighted.detach() if loss_sum is None else loss_sum + weighted.detach()
         if loss_sum is None:  # no row here at all
             loss_sum = torch.zeros((), device=self.strategy.device)
         if self.several:
@@ -130,6 +137,17 @@ class OptimizerStep:
             nn.utils.clip_grad_norm_(self.params[name], self.grad_clip_norm)
         self.precision.step(optimizer, update=not self.several)
         return loss_sum
+
+    def loss_shares(self, micro_batches: list[tuple[Any, int, int]]) -> Tensor | None:
+        """For a task that weights its loss by a count of its own (`Task.loss_weight`: tokens, say), each
+        micro-batch's share of the global batch's count, times the world size (as rows / global_rows is otherwise);
+        None for rows. The global count is one all-reduce, on the device: no host sync."""
+        counts = [self.task.loss_weight(micro_batch) for micro_batch, _, _ in micro_batches]
+        if counts[0] is None:
+            return None
+        counts = torch.stack([torch.as_tensor(c, device=self.strategy.device).reshape(()) for c in counts]).long()
+        total = self.strategy.all_reduce(counts.sum()).clamp(min=1)  # a global batch of no tokens: shares of 0
+        return (counts * self.world_size).float() / total.float()
 
     def micro_batches(self, batch: Any, global_rows: int) -> list[tuple[Any, int, int]]:
         """(micro-batch, its first row in the batch, its rows) for each part of the global batch that holds a row:

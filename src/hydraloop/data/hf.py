@@ -29,41 +29,52 @@ from torch.utils.data import Dataset
 
 from hydraloop.data.cache import cached_arrays, default_cache_dir
 from hydraloop.errors import ConfigError, require
+from hydraloop.tasks.language_model import IGNORED
 
 FILE_BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
 
 
 class TokenizedTexts(Dataset):
-    """Token ids of varying length (flat, with offsets) and a label per sample; `collate_fn` pads a batch."""
+    """Token ids of varying length (flat, with offsets) and a label per sample, or (labels None) next-token targets:
+    each position's next token, IGNORED at the last; `collate_fn` pads a batch."""
 
-    def __init__(self, ids: np.ndarray, offsets: np.ndarray, labels: np.ndarray, pad_id: int) -> None:
+    def __init__(self, ids: np.ndarray, offsets: np.ndarray, labels: np.ndarray | None, pad_id: int) -> None:
         self.ids, self.offsets, self.labels, self.pad_id = ids, offsets, labels, pad_id
 
     def __len__(self) -> int:
-        return len(self.labels)
+        return len(self.offsets) - 1
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         ids = torch.from_numpy(self.ids[self.offsets[index] : self.offsets[index + 1]].astype(np.int64))
+        if self.labels is None:
+            return {"input_ids": ids, "labels": torch.cat([ids[1:], torch.tensor([IGNORED])])}
         return {"input_ids": ids, "labels": torch.tensor(int(self.labels[index]))}
 
     def collate_fn(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """The samples padded (on the right) to the longest of them, with the attention mask that hides the padding."""
+        """The samples padded (on the right) to the longest of them, with the attention mask that hides the padding;
+        next-token targets padded with IGNORED."""
         longest = max((len(sample["input_ids"]) for sample in samples), default=0)
         ids = torch.full((len(samples), longest), self.pad_id, dtype=torch.int64)
         mask = torch.zeros((len(samples), longest), dtype=torch.int64)
         for row, sample in enumerate(samples):
             ids[row, : len(sample["input_ids"])] = sample["input_ids"]
             mask[row, : len(sample["input_ids"])] = 1
-        return {"input_ids": ids, "attention_mask": mask, "labels": torch.stack([s["labels"] for s in samples])}
+        if self.labels is None:
+            labels = torch.full((len(samples), longest), IGNORED, dtype=torch.int64)
+            for row, sample in enumerate(samples):
+                labels[row, : len(sample["labels"])] = sample["labels"]
+        else:
+            labels = torch.stack([sample["labels"] for sample in samples])
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
 def load_hf_dataset(
     path: str,
     tokenizer: str | None,
-    num_classes: int,
+    num_classes: int | None,
     text_column: str = "text",
     text_pair_column: str | None = None,
-    label_column: str = "label",
+    label_column: str | None = "label",
     max_length: int = 128,
     pad_token: str | None = None,
     train_split: str = "train",
@@ -72,7 +83,8 @@ def load_hf_dataset(
     split_seed: int = 0,
     cache_dir: str | None = None,
 ) -> tuple[TokenizedTexts, TokenizedTexts]:
-    """(train, val) of the data set at `path`, tokenized by `tokenizer` (see the module docstring)."""
+    """(train, val) of the data set at `path`, tokenized by `tokenizer` (see the module docstring); without a
+    `label_column`, for next-token prediction (data=hf_lm)."""
     require(tokenizer is not None, "data.dataset.tokenizer=null: give a folder or cache name holding one, or a .json")
     require(max_length > 0, f"data.block_size={max_length}: must be positive")
     splits = _read_splits(path, Path(cache_dir) if cache_dir else default_cache_dir())
@@ -87,13 +99,13 @@ def load_hf_dataset(
         require(0 < val_fraction < 1, f"data.dataset.val_fraction={val_fraction}: must be between 0 and 1")
         halves = train.train_test_split(test_size=val_fraction, seed=split_seed, shuffle=True)
         train, val = halves["train"], halves["test"]
-    columns = [text_column, label_column] + ([text_pair_column] if text_pair_column else [])
-    for key, column in zip(("text_column", "label_column", "text_pair_column"), columns):
+    columns = {"text_column": text_column, "label_column": label_column, "text_pair_column": text_pair_column}
+    for key, column in columns.items():
         require(
-            column in train.column_names,
+            column is None or column in train.column_names,
             f"data.dataset.{key}={column}: {path} has no such column; it has {', '.join(train.column_names)}",
         )
-    label_ids = _label_ids(train, val, label_column, num_classes)
+    label_ids = _label_ids(train, val, label_column, num_classes) if label_column else None
     hf_tokenizer = load_tokenizer(tokenizer, pad_token)
     settings = [tokenizer_digest(hf_tokenizer), text_column, text_pair_column, label_column, max_length]
     parts = []
@@ -104,8 +116,9 @@ def load_hf_dataset(
             functools.partial(_tokenized, split, hf_tokenizer, columns, max_length, label_ids),
             cache_dir,
         )
-        require(len(arrays["labels"]) > 0, f"data.dataset.path={path}: the {name} split has no samples")
-        parts.append(TokenizedTexts(arrays["ids"], arrays["offsets"], arrays["labels"], hf_tokenizer.pad_token_id))
+        labels = arrays["labels"] if label_column else None
+        require(len(arrays["offsets"]) > 1, f"data.dataset.path={path}: the {name} split has no samples")
+        parts.append(TokenizedTexts(arrays["ids"], arrays["offsets"], labels, hf_tokenizer.pad_token_id))
     return parts[0], parts[1]
 
 
@@ -175,14 +188,17 @@ def _label_ids(train: Any, val: Any, column: str, num_classes: int) -> dict[Any,
 
 
 def _tokenized(
-    split: Any, tokenizer: Any, columns: list[str], max_length: int, label_ids: dict | None
+    split: Any, tokenizer: Any, columns: dict[str, str | None], max_length: int, label_ids: dict | None
 ) -> dict[str, np.ndarray]:
-    text, label, *pair = columns
+    text, label, pair = columns["text_column"], columns["label_column"], columns["text_pair_column"]
 
     def encode(batch: dict[str, list]) -> dict[str, list]:
-        texts = (batch[text], batch[pair[0]]) if pair else (batch[text],)
+        texts = (batch[text], batch[pair]) if pair else (batch[text],)
         encoded = tokenizer(*texts, truncation=True, max_length=max_length)
-        labels = [label_ids[value] for value in batch[label]] if label_ids else batch[label]
+        if label is None:
+            labels = [0] * len(encoded["input_ids"])  # next-token targets come from the ids themselves
+        else:
+            labels = [label_ids[value] for value in batch[label]] if label_ids else batch[label]
         return {"input_ids": encoded["input_ids"], "labels": labels}
 
     tokenized = split.map(encode, batched=True, remove_columns=split.column_names, keep_in_memory=True)
@@ -224,6 +240,12 @@ def load_tokenizer(spec: str, pad_token: str | None = None) -> Any:
         f"(e.g. its end-of-text token{' ' + repr(tokenizer.eos_token) if tokenizer.eos_token else ''})",
     )
     return tokenizer
+
+
+def tokenizer_size(spec: str | None, pad_token: str | None = None) -> int:
+    """The `hf_vocab_size` resolver: the tokens of the tokenizer `spec` (data=hf_lm's data.vocab_size)."""
+    require(spec is not None, "data.dataset.tokenizer=null: give a folder or cache name holding one, or a .json")
+    return len(load_tokenizer(spec, pad_token))
 
 
 def tokenizer_digest(tokenizer: Any) -> str:

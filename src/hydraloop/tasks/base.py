@@ -55,6 +55,13 @@ class Task:
         inputs, targets = self.split(batch)
         return self.loss(call(model, inputs), targets)
 
+    def loss_weight(self, batch: Any) -> Tensor | None:
+        """What `training_loss` of a (micro-)batch is a mean over, when that is not its rows: a count as an integer
+        tensor, e.g. a language model's target tokens in padded sequences. The loop then weights each micro-batch by
+        its count over the global batch's (one more all-reduce per step), so a step's loss is the mean over every
+        counted item of the global batch whatever its split. None (here): rows. None for every batch or for none."""
+        return None
+
     def optimizer_steps(self, step: int, optimizers: list[str]) -> list[str]:
         """With several optimizers: those that step at optimizer step `step` (counted from 0), in order, each with a
         pass of its own over the batch, whose loss is `training_loss(model, batch, optimizer=name)` (README: Several

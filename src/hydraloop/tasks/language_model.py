@@ -8,29 +8,51 @@ from torch import Tensor
 from hydraloop.errors import require
 from hydraloop.tasks.base import Task, count, logits, misfit, task_name
 
+IGNORED = -100
+"""A target that is no token (padding, or the last position of a sequence): PyTorch's and Hugging Face's convention."""
+
 
 class LanguageModel(Task):
     """Next-token prediction: logits (B, T, vocab) against the next tokens (B, T). Cross-entropy per token;
-    val/loss (nats per token), val/ppl (its exponential, the perplexity) and val/acc (next-token accuracy)."""
+    val/loss (nats per token), val/ppl (its exponential, the perplexity) and val/acc (next-token accuracy).
+
+    `padded` (data=hf_lm's sequences of their own lengths, padded per batch): targets of IGNORED count for nothing,
+    and the training loss is the mean over the global batch's target tokens, not a mean of its rows' means: each
+    micro-batch is weighted by its tokens (`loss_weight`), so ddp, fsdp and accumulation train what one process does.
+    """
 
     metrics = {"val/loss": "min", "val/ppl": "min", "val/acc": "max"}
     default_metric = "val/loss"
 
-    def __init__(self, vocab_size: int, block_size: int) -> None:
+    def __init__(self, vocab_size: int, block_size: int, padded: bool = False) -> None:
         self.vocab_size = vocab_size
-        self.tokens_per_sample = block_size
+        self.padded = padded
+        self.tokens_per_sample = None if padded else block_size  # padded: block_size only bounds a sample's tokens
         self.num_statistics = 3  # loss sum, correct, tokens
 
     def loss(self, outputs: Any, targets: Tensor) -> Tensor:
         outputs = logits(outputs, self)
-        return F.cross_entropy(outputs.flatten(0, 1), targets.flatten())
+        if not self.padded:
+            return F.cross_entropy(outputs.flatten(0, 1), targets.flatten())
+        # A mean over the micro-batch's tokens, 0 where it has none (a mean over none would be NaN, and NaN times the
+        # loop's weight of 0 still NaN).
+        loss_sum = F.cross_entropy(outputs.flatten(0, 1), targets.flatten(), ignore_index=IGNORED, reduction="sum")
+        return loss_sum / self.loss_weight_of(targets).clamp(min=1)
+
+    def loss_weight(self, batch: Any) -> Tensor | None:
+        return self.loss_weight_of(self.split(batch)[1]) if self.padded else None
+
+    @staticmethod
+    def loss_weight_of(targets: Tensor) -> Tensor:
+        return (targets != IGNORED).sum()
 
     def statistics(self, outputs: Any, targets: Tensor) -> Tensor:
         outputs = logits(outputs, self)
         flat, targets = outputs.float().flatten(0, 1), targets.flatten()
-        loss_sum = F.cross_entropy(flat, targets, reduction="sum").double()
+        loss_sum = F.cross_entropy(flat, targets, ignore_index=IGNORED, reduction="sum").double()
         correct = (flat.argmax(dim=1) == targets).sum().double()
-        return torch.stack([loss_sum, correct, count(outputs, targets.numel())])
+        tokens = self.loss_weight_of(targets).double() if self.padded else count(outputs, targets.numel())
+        return torch.stack([loss_sum, correct, tokens])
 
     def metrics_from(self, totals: list[float]) -> dict[str, float]:
         loss_sum, correct, tokens = totals
