@@ -28,6 +28,7 @@ import torch._dynamo  # noqa: F401  every torch.optim optimizer imports it in it
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from hydraloop.activation_checkpointing import checkpoint_activations, checkpointed_classes
 from hydraloop.backends import configure_backends
 from hydraloop.callbacks import build_callbacks, reported_metrics
 from hydraloop.checkpoint import TrainState, load_checkpoint
@@ -148,7 +149,7 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice, job: JobInfo) -> dict
     )
 
     seed_everything(cfg.seed)  # the same on every rank: DDP starts from the weights single-process starts from
-    model = instantiate(cfg.model)
+    model = strategy.build(lambda: instantiate(cfg.model))
     num_params = sum(p.numel() for p in model.parameters())  # before a strategy shards it
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log.info("model %s: %s parameters (%s trainable)", type(model).__name__, f"{num_params:,}", f"{trainable:,}")
@@ -158,6 +159,7 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice, job: JobInfo) -> dict
         peak_flops(strategy.device, cfg.trainer.peak_tflops),
         gpus=strategy.world_size * len(strategy.devices),
     )
+    checkpoint_activations(model, checkpointed_classes(cfg.trainer.activation_checkpointing, model))
     if cfg.trainer.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if cfg.trainer.compile:

@@ -47,3 +47,15 @@ class Keyword(nn.Module):
 
     def forward(self, x):
         return self.linear(x)
+
+
+class WithComputedBuffer(MLP):
+    """An MLP whose constructor draws a buffer that no checkpoint holds (`persistent=False`), added to its inputs:
+    under parallel=fsdp only rank 0 builds the model for real, and every rank must compute with rank 0's draw."""
+
+    def __init__(self, input_shape, num_classes: int, **options) -> None:
+        super().__init__(input_shape, num_classes, **options)
+        self.register_buffer("offset", torch.randn(*input_shape), persistent=False)
+
+    def forward(self, x):
+        return super().forward(x + self.offset)

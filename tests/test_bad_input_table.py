@@ -93,6 +93,13 @@ ROWS = [
     (["+callbacks.ema.decay=0.9"], "callbacks.ema={'decay': 0.9}: not a callback"),
     (["optimized_metric=val/ema/acc"], "optimized_metric=val/ema/acc: the task reports val/loss, val/acc"),
     (["ckpt_weights=ema"], "ckpt_weights=ema: for mode=eval and mode=predict"),
+    (["parallel=fsdp", "parallel.replicate=3"], "parallel.replicate=3: must divide the world size, 2 ranks"),
+    (["trainer.activation_checkpointing=[Blok]"], "trainer.activation_checkpointing=['Blok']: Blok is no module class"),
+    (["trainer.activation_checkpointing=true"], "trainer.activation_checkpointing=true: MLP names no blocks"),
+    (
+        ["trainer.activation_checkpointing=Block"],
+        "trainer.activation_checkpointing=Block: must be true, false or a list",
+    ),
     # Tracebacks from constructors and launchers.
     (["model.hidden_sizes=256"], "model.hidden_sizes=256: must be a list, e.g. [256] (hydraloop.models.mlp.MLP)"),
     (["model=gpt", "data=text", "task=language_model", "model.n_layer=2.5"], "model.n_layer=2.5: must be an integer"),

@@ -115,3 +115,31 @@ def test_shard_module_that_matches_nothing(run_train):
     run = run_train("parallel=fsdp", "parallel.shard_modules=[Linear,Block]", "trainer.max_epochs=1")
     assert_rejected(run, "parallel.shard_modules=['Linear', 'Block']: Block matches no module of MLP")
     assert "[rank 1]" not in run.output and "run directory:" not in run.output
+
+
+@pytest.mark.slow
+def test_built_on_the_meta_device_each_rank_computes_with_rank_0s_values(run_train):
+    """Ranks other than 0 build the model on the meta device: they take rank 0's parameters, persistent buffers and
+    a buffer that no state_dict holds (drawn by the constructor), and so train what single-process training trains."""
+    model = ("model._target_=tests.structured.WithComputedBuffer", "trainer.max_steps=8", "logger=none")
+    single = run_train(*model)
+    fsdp = run_train(*model, "parallel=fsdp")
+    assert single.returncode == 0, single.output
+    assert fsdp.returncode == 0, fsdp.output
+    # The buffer shifts every input by about 1: round-off lands ddp 1.6e-5 from single after 8 steps, and fsdp
+    # exactly on ddp; a rank computing with a buffer of its own draw lands 4.6e-2 away.
+    assert max_param_diff(fsdp.checkpoint()["model"], single.checkpoint()["model"]) < 1e-4
+    assert fsdp.metrics["val/loss"] == pytest.approx(single.metrics["val/loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_hybrid_sharding_two_copies_over_two_ranks_each_equals_single(run_train):
+    """parallel.replicate=2 with 4 ranks: a 2 x 2 mesh, each copy sharded over 2 ranks, gradients averaged over all."""
+    one_epoch = ("trainer.max_epochs=1", "logger=none")
+    single = run_train(*one_epoch)
+    hybrid = run_train(*one_epoch, "parallel=fsdp", "parallel.nproc_per_node=4", "parallel.replicate=2")
+    assert single.returncode == 0, single.output
+    assert hybrid.returncode == 0, hybrid.output
+    assert hybrid.metrics["world_size"] == 4
+    assert max_param_diff(hybrid.checkpoint()["model"], single.checkpoint()["model"]) < TOLERANCE
+    assert hybrid.metrics["val/acc"] == single.metrics["val/acc"]

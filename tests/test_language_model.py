@@ -75,6 +75,20 @@ def test_gpt_with_dropout_under_ddp_and_fsdp_equals_single(run_train, tiny_singl
     assert run.metrics["val/loss"] == pytest.approx(tiny_single.metrics["val/loss"], rel=1e-5)
 
 
+@pytest.mark.slow
+def test_activation_checkpointing_with_dropout_computes_what_it_computes_without(run_train, tiny_single):
+    """Each block recomputed in backward draws the masks its forward drew: alone, and under fsdp with accumulation."""
+    alone = run_train(*TINY, "trainer.activation_checkpointing=true")
+    sharded = run_train(
+        *TINY, "trainer.activation_checkpointing=[Block]", "parallel=fsdp", "trainer.grad_accum_steps=2"
+    )
+    for run in (alone, sharded):
+        assert run.returncode == 0, run.output
+        assert max_param_diff(run.checkpoint()["model"], tiny_single.checkpoint()["model"]) < ROUND_OFF
+        assert run.metrics["val/loss"] == pytest.approx(tiny_single.metrics["val/loss"], rel=1e-5)
+    assert max_param_diff(alone.checkpoint()["model"], tiny_single.checkpoint()["model"]) == 0.0
+
+
 def test_gpt_with_dropout_accumulating_4_micro_batches_equals_one_batch(train_in_process):
     plain, plain_dir = train_in_process(*TINY)
     accumulated, accumulated_dir = train_in_process(*TINY, "trainer.grad_accum_steps=4")

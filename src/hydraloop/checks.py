@@ -23,6 +23,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch.utils.data import default_collate
 
+from hydraloop.activation_checkpointing import checkpointed_classes
 from hydraloop.arguments import check_arguments, check_model, check_optimization, raise_refusal, shown
 from hydraloop.batches import check_leaves, count_rows, map_tensors
 from hydraloop.callbacks import build_callbacks, reported_metrics
@@ -52,6 +53,7 @@ def check_launch(cfg: Any, strategy: Any) -> Any:
         check_data(cfg, task)
     model = check_model(cfg.model)
     if cfg.mode == "train" and model is not None:
+        checkpointed_classes(cfg.trainer.activation_checkpointing, model)
         check_optimizers(cfg.optimizer, model)
         warn_plain_dropout(model, strategy.world_size, cfg.trainer.grad_accum_steps)
     for name, node in optimizer_nodes(cfg.optimizer).items():

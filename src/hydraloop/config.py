@@ -53,6 +53,10 @@ class TrainerConfig:
     newest; resuming from a last.pt that cannot be read falls back to the newest readable one. 1: no fallback."""
     precision: str = "32"
     """32 (float32), bf16 or fp16: autocast for the forward pass and loss; fp16 adds a GradScaler."""
+    activation_checkpointing: Any = False
+    """Modules that keep only their inputs in forward and recompute their activations in backward (less memory, one
+    more forward each): true, the model's blocks (its `_no_split_modules`, GPT: Block); a list of module class
+    names; false: none. Under every strategy, with the same results (hydraloop.activation_checkpointing)."""
     compile: bool = False
     """torch.compile the model in place (Module.compile), so checkpoint keys stay those of the plain model."""
     grad_accum_steps: int = 1
@@ -202,6 +206,15 @@ class FSDPConfig(ProcessGroupConfig):
     optimizer stay float32). null: the parameters' own dtype."""
     reduce_dtype: str | None = None
     """null, float32 or bfloat16: the dtype gradients are reduce-scattered in. null: `param_dtype`."""
+    build_on_meta: bool = True
+    """Rank 0 builds the model in full on the CPU (single-process training's initial or pretrained values), every
+    other rank on the meta device (shapes, no memory); each rank then allocates only its own shards on its device and
+    receives their values from rank 0. No device ever holds the whole model. false: every rank builds the whole model
+    and moves it to its device before sharding (for a model that keeps tensors outside its parameters and buffers)."""
+    replicate: int = 1
+    """Hybrid sharding (HSDP): the ranks form `replicate` groups of world_size / replicate; each group holds one
+    sharded copy of the model, and gradients are also averaged across groups. Shard within a node, replicate across
+    nodes: replicate = the number of nodes. 1: plain FSDP, one copy sharded over all ranks."""
 
 
 @dataclass

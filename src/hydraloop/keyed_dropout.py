@@ -43,12 +43,14 @@ _current = _Rows()
 
 @contextmanager
 def rows_of(rows: Tensor, step_key: Tensor) -> Iterator[None]:
-    """In this thread, the batch computed holds global rows `rows` (for DataParallel's replica threads)."""
+    """In this thread, the batch computed holds global rows `rows` (for DataParallel's replica threads). Nested (an
+    activation checkpoint's recomputation), the outer rows hold again after."""
+    outer = (_current.active, getattr(_current, "rows", None), getattr(_current, "step_key", None))
     _current.active, _current.rows, _current.step_key = True, rows, step_key
     try:
         yield
     finally:
-        _current.active = False
+        _current.active, _current.rows, _current.step_key = outer
 
 
 def current_rows() -> tuple[Tensor, Tensor] | None:

@@ -77,7 +77,7 @@ def predict(cfg: Any, strategy: SingleDevice, task: Task) -> dict[str, Any]:
         raise ConfigError(
             f"data.predict_path={cfg.data.predict_path}: fewer inputs than the {strategy.world_size} ranks"
         )
-    model = strategy.wrap(instantiate(cfg.model), part_modules(cfg.optimizer))  # as training wrapped it
+    model = strategy.wrap(strategy.build(lambda: instantiate(cfg.model)), part_modules(cfg.optimizer))  # as in training
     precision = Precision(cfg.trainer.precision, strategy.device)
     state = load_weights(cfg.ckpt_path, strategy, model, cfg.ckpt_weights)
     module = strategy.eval_module(model)

@@ -1,6 +1,6 @@
-"""`parallel=fsdp`: fully sharded data parallel (FSDP2). DDP's launch and process group, a different wrapper, and
-checkpoints that gather the shards into the plain model's and optimizer's state, so that every strategy resumes
-from them."""
+"""`parallel=fsdp`: fully sharded data parallel (FSDP2). DDP's launch and process group, a different wrapper, a model
+that no device holds whole (built on the meta device, each rank allocating its own shards), and checkpoints that
+gather the shards into the plain model's and optimizer's state, so that every strategy resumes from them."""
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from hydra.utils import instantiate
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -26,6 +27,8 @@ from hydraloop.errors import ConfigError
 from hydraloop.parallel.ddp import DDPStrategy
 
 DTYPES = {None: None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+# Rank 0 holds the full state; each rank receives only its shards of it.
+FROM_RANK_0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
 
 class FSDPStrategy(DDPStrategy):
@@ -44,10 +47,20 @@ class FSDPStrategy(DDPStrategy):
         reshard_after_forward: bool = True,
         param_dtype: str | None = None,
         reduce_dtype: str | None = None,
+        build_on_meta: bool = True,
+        replicate: int = 1,
         **process_group: Any,
     ) -> None:
-        """`process_group`: how the ranks start, meet and stop, as for DDP (hydraloop.config.ProcessGroupConfig)."""
+        """`process_group`: how the ranks start, meet and stop, as for DDP (hydraloop.config.ProcessGroupConfig);
+        the other arguments: hydraloop.config.FSDPConfig."""
         super().__init__(device, **process_group)
+        if not (isinstance(replicate, int) and replicate >= 1 and self.world_size % replicate == 0):
+            raise ConfigError(
+                f"parallel.replicate={replicate}: must divide the world size, {self.world_size} ranks, into groups "
+                "of equal size (1: no replication)"
+            )
+        self.replicate = replicate
+        self.build_on_meta = build_on_meta
         self.shard_modules = None if shard_modules is None else list(shard_modules)
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = MixedPrecisionPolicy(
@@ -79,8 +92,13 @@ class FSDPStrategy(DDPStrategy):
     def setup(self) -> None:
         super().setup()
         # Without a mesh fully_shard builds one on the machine's default accelerator: on a GPU machine, device=cpu
-        # would shard onto CUDA.
-        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+        # would shard onto CUDA. A 2-D mesh makes fully_shard hybrid: it replicates across the first dimension (each
+        # group of ranks along it holds one sharded copy) and shards along the second.
+        if self.replicate == 1:
+            self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+        else:
+            shape = (self.replicate, self.world_size // self.replicate)
+            self.mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=("replicate", "shard"))
 
     def teardown(self) -> None:
         # A gloo worker thread frees a finished collective's work object after Python has its result, taking the GIL
@@ -92,14 +110,47 @@ class FSDPStrategy(DDPStrategy):
         time.sleep(0.05)
         super().teardown()
 
+    def build(self, make_model: Callable[[], nn.Module]) -> nn.Module:
+        """Rank 0 builds the model in full, on the CPU, as single-process training does (its initialisation draws the
+        same values; pretrained weights are read once); every other rank on the meta device, which holds shapes and
+        no values (`build_on_meta`). `wrap` gives every rank its shards of rank 0's values."""
+        if self.rank == 0 or not self.build_on_meta:
+            return make_model()
+        with torch.device("meta"):
+            return make_model()
+
     def wrap(self, model: nn.Module, parts: Sequence[str] = ()) -> nn.Module:
         """The model sharded; with several optimizers each part (`parts`) is a root of its own, sharded alike, since a
-        task calls the parts, never the whole model; the model holds them unsharded, as a plain container."""
-        model = self.with_global_batchnorm(model).to(self.device)
+        task calls the parts, never the whole model; the model holds them unsharded, as a plain container.
+
+        With `build_on_meta`, rank 0 keeps its model's values on the CPU and every rank shards a meta model, then
+        allocates only its own shards on its device and receives them from rank 0, one tensor at a time: no device
+        holds the whole model, and every rank starts from rank 0's values, which are single-process training's."""
+        model = self.with_global_batchnorm(model)
+        if not self.build_on_meta:
+            model = model.to(self.device)
+        else:
+            initial = _values(model) if self.rank == 0 else None
+            _to_meta(model)
         units = self.units(model)
         for root in [model.get_submodule(part) for part in parts] or [model]:
             self._shard(root, units)
+        if self.build_on_meta:
+            model.to_empty(device=self.device)
+            self._receive(model, initial)
         return model
+
+    def _receive(self, model: nn.Module, initial: tuple[dict, dict] | None) -> None:
+        """Every rank's shards, and its copy of the buffers, from rank 0's `initial` (state_dict, and the buffers a
+        state_dict leaves out: `persistent=False`, which a model computes in its constructor)."""
+        state, unsaved = initial or ({}, {})
+        set_model_state_dict(model, state, options=FROM_RANK_0)
+        saved = set(model.state_dict())
+        for name, buffer in model.named_buffers():
+            if name not in saved:
+                if initial is not None:
+                    buffer.copy_(unsaved[name])
+                dist.broadcast(buffer, src=0)
 
     def _shard(self, root: nn.Module, units: list[str]) -> None:
         options = dict(reshard_after_forward=self.reshard_after_forward, mp_policy=self.mp_policy, mesh=self.mesh)
@@ -156,16 +207,36 @@ class FSDPStrategy(DDPStrategy):
         return lambda: (model_state, {name: _keyed_by_position(state) for name, state in by_name.items()})
 
     def load_model_state(self, model: nn.Module, state: dict[str, Any]) -> None:
-        # Every rank read the full state; each keeps its own shard of it.
-        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+        # Rank 0 reads the full state (every rank opened the file, memory-mapped: what a rank never reads costs it
+        # no memory) and sends each rank its shards, one tensor at a time.
+        set_model_state_dict(model, self._from_rank_0(state), options=FROM_RANK_0)
 
     def load_optimizer_state(self, model: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:
         # The checkpoint keys parameters by position in the optimizer's groups; FSDP's loader wants their names.
         name_of = {param: name for name, param in model.named_parameters()}
         names = [name_of[param] for group in optimizer.param_groups for param in group["params"]]
-        set_optimizer_state_dict(
-            model, optimizer, _rekeyed(state, names), options=StateDictOptions(full_state_dict=True)
-        )
+        set_optimizer_state_dict(model, optimizer, self._from_rank_0(_rekeyed(state, names)), options=FROM_RANK_0)
+
+    def _from_rank_0(self, state: dict[str, Any]) -> dict[str, Any]:
+        return state if self.rank == 0 else {}
+
+
+def _values(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The model's state_dict, and its buffers that the state_dict leaves out, as tensors that keep the values once
+    the model's own tensors are replaced (`_to_meta`)."""
+    state = {name: tensor.detach() for name, tensor in model.state_dict(keep_vars=True).items()}
+    return state, {name: buffer.detach() for name, buffer in model.named_buffers() if name not in state}
+
+
+def _to_meta(model: nn.Module) -> None:
+    """Every parameter and buffer of `model` on the meta device, in place. Swapping the tensors' contents keeps each
+    Parameter object, so parameters that modules share (tied embeddings) stay one; `Module.to` would make two."""
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.to("meta")
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
 
 
 def _roots(model: nn.Module) -> list[FSDPModule]:

@@ -83,6 +83,11 @@ class SingleDevice:
         """Every device this process computes on (after `setup`): its generators are reseeded before each step."""
         return [self.device]
 
+    def build(self, make_model: Callable[[], nn.Module]) -> nn.Module:
+        """The model as this rank builds it, for `wrap`: here, whole, on the CPU. (FSDP builds it whole on rank 0
+        only, and on the meta device elsewhere.)"""
+        return make_model()
+
     def wrap(self, model: nn.Module, parts: Sequence[str] = ()) -> nn.Module:
         """The model on this rank's device, wrapped as the strategy trains it. `parts`: the submodules several
         optimizers train, one each (hydraloop.optim), whose gradients the loop has reduced by `reduce_gradients`
