@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from hydra.utils import instantiate
 
+from hydraloop.checkpoint import load_checkpoint
 from hydraloop.data.tokens import Codec
 from hydraloop.errors import BAD_INPUT_EXIT_CODE, ConfigError
 from hydraloop.models.hf import generate as hf_generate
@@ -82,12 +83,16 @@ def sample(args: argparse.Namespace) -> list[str]:
 
 def load_language_model(path: Path, device: torch.device) -> tuple[torch.nn.Module, Codec]:
     """The checkpoint's model, on `device` in eval mode, and the codec of its tokens."""
-    if not path.is_file():
+    if path.is_dir():  # a sharded checkpoint (parallel=fsdp's), read whole
+        checkpoint: Any = load_checkpoint(path, source=str(path))
+    elif not path.is_file():
         raise ConfigError(f"{path}: no such file")
-    try:
-        checkpoint: Any = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # not a checkpoint at all: one line, without the unpickler's story
-        raise ConfigError(f"{path}: cannot be read as a checkpoint: {str(error).strip().splitlines()[0]}") from None
+    else:
+        try:
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as error:  # not a checkpoint at all: one line, without the unpickler's story
+            first_line = str(error).strip().splitlines()[0]
+            raise ConfigError(f"{path}: cannot be read as a checkpoint: {first_line}") from None
     config = checkpoint.get("config") if isinstance(checkpoint, dict) else None
     if not isinstance(config, dict) or "model" not in checkpoint or "model" not in config:
         raise ConfigError(f"{path}: not a hydraloop checkpoint (needs 'model' and 'config' with a 'model' section)")

@@ -170,7 +170,7 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice, job: JobInfo) -> dict
     # weights; the state comes first, as the schedule plans the run's steps from where it stands.
     ckpt_path = checkpoint_to_resume(cfg)
     own = bool(ckpt_path) and is_own(ckpt_path, cfg)
-    checkpoint = load_checkpoint(ckpt_path) if ckpt_path and cfg.mode == "train" else None
+    checkpoint = load_checkpoint(ckpt_path, lazy=True) if ckpt_path and cfg.mode == "train" else None
     state = train_state(checkpoint, cfg, own) if checkpoint else TrainState()
     sampler = train_loader.sampler
     total_steps = planned_steps(cfg.trainer.max_steps, cfg.trainer.max_epochs, state, sampler)

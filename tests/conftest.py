@@ -44,7 +44,7 @@ class Run:
         return json.loads((self.run_dir / "metrics.json").read_text())
 
     def checkpoint(self, name: str = "last.pt") -> dict:
-        return torch.load(self.run_dir / "checkpoints" / name, weights_only=True)
+        return read_checkpoint(self.run_dir / "checkpoints" / name)
 
     @property
     def log(self) -> str:
@@ -179,6 +179,16 @@ def bad_input_line(run: Run) -> str:
     errors = [line for line in run.output.splitlines() if "[ERROR]" in line]
     assert len(errors) == 1, run.output
     return errors[0]
+
+
+def read_checkpoint(path: Path) -> dict:
+    """A checkpoint, whole: a file as plain torch.load(weights_only=True) reads it; a sharded one (a directory:
+    parallel=fsdp's) in the same format (hydraloop.sharded_checkpoint)."""
+    if Path(path).is_dir():
+        from hydraloop.checkpoint import load_checkpoint
+
+        return load_checkpoint(path)
+    return torch.load(path, weights_only=True)
 
 
 def max_param_diff(a: dict, b: dict) -> float:

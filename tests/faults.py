@@ -169,3 +169,20 @@ def nan_ring(nan_rows: list[int], **ring):
     train, val = make_ring(**ring)
     train.tensors[0][list(nan_rows)] = float("nan")
     return train, val
+
+
+class KilledWhileSavingMLP(RaisingMLP):
+    """Dies without a word (SIGKILL) on rank `fail_rank` as the first checkpoint after training step `fail_at_step`
+    starts: that rank's shards of it never reach the disk, while the other ranks may be writing theirs."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+
+        def saving(module, state, prefix, local_metadata) -> None:  # a function: torch marks it as registered
+            if int(os.environ.get("RANK", 0)) == self.fail_rank and self.steps >= self.fail_at_step:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        self.register_state_dict_post_hook(saving)
+
+    def misbehave(self) -> None:
+        pass

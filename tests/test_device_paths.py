@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from conftest import free_port
+from conftest import free_port, read_checkpoint
 from hydraloop.checkpoint import TrainState, checkpoint_state, load_checkpoint, restore_rng_state, rng_state
 from hydraloop.errors import ConfigError
 from hydraloop.optim import build_optimizer
@@ -51,7 +51,7 @@ def test_resume_loads_through_the_cpu_and_keeps_step_counters_there(train_in_pro
     optimizer (on the GPU they would cost two host syncs per parameter per step)."""
     _, run_dir = train_in_process("trainer.max_epochs=1", "logger=none")
     path = run_dir / "checkpoints" / "last.pt"
-    config = OmegaConf.create(torch.load(path, weights_only=True)["config"])
+    config = OmegaConf.create(read_checkpoint(path)["config"])
     strategy = SingleDevice("cpu")
     strategy.setup()
     strategy.device = torch.device("meta")

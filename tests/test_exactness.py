@@ -4,9 +4,8 @@ import json
 import subprocess
 
 import pytest
-import torch
 
-from conftest import free_port, max_param_diff, torchrun_command, torchrun_train
+from conftest import free_port, max_param_diff, read_checkpoint, torchrun_command, torchrun_train
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +75,7 @@ def test_joining_an_outside_launchers_group(tmp_path, train_env, single_2_epochs
     assert proc.returncode == 0, proc.stdout + proc.stderr
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["world_size"] == 2
-    joined = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+    joined = read_checkpoint(run_dir / "checkpoints" / "last.pt")["model"]
     assert max_param_diff(joined, single_2_epochs.checkpoint()["model"]) < TOLERANCE
 
 
@@ -104,5 +103,5 @@ def test_two_nodes_train_together_into_one_run_directory(tmp_path, train_env, si
     assert len(run_dirs) == 1, run_dirs
     metrics = json.loads((run_dirs[0] / "metrics.json").read_text())
     assert metrics["world_size"] == 2
-    joined = torch.load(run_dirs[0] / "checkpoints" / "last.pt", weights_only=True)["model"]
+    joined = read_checkpoint(run_dirs[0] / "checkpoints" / "last.pt")["model"]
     assert max_param_diff(joined, single_2_epochs.checkpoint()["model"]) < TOLERANCE

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from conftest import max_param_diff
+from conftest import max_param_diff, read_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -132,7 +132,7 @@ def checkpoints_are_finite(run) -> dict[str, int]:
     """{file name: global step} of every checkpoint in the run directory, each checked to hold finite weights."""
     steps = {}
     for path in sorted((run.run_dir / "checkpoints").glob("*.pt")):
-        checkpoint = torch.load(path, weights_only=True)
+        checkpoint = read_checkpoint(path)
         assert all(torch.isfinite(tensor).all() for tensor in checkpoint["model"].values()), path.name
         steps[path.name] = checkpoint["global_step"]
     return steps

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from conftest import TRAIN, compose_train, max_param_diff, wait_for
+from conftest import TRAIN, compose_train, max_param_diff, read_checkpoint, wait_for
 from hydraloop.data.batch_transforms import CollateThenTransform, split_elementwise_tail
 from hydraloop.data.loaders import SeededAugmentation, auto_num_workers, build_loaders
 from hydraloop.errors import ConfigError
@@ -224,14 +224,14 @@ def test_stop_mid_epoch_then_rerun_with_workers_ends_where_the_uninterrupted_run
     job.send_signal(signal.SIGTERM)
     output = job.communicate(timeout=120)[0]
     assert job.returncode == 128 + signal.SIGTERM, output
-    checkpoint = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+    checkpoint = read_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")
     assert (checkpoint["epoch"], checkpoint["global_step"], checkpoint["epoch_step"]) == (0, 15, 15)
 
     rerun = subprocess.run(command, env=train_env, capture_output=True, text=True, timeout=180)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     uninterrupted = run_train(*images(image_folder, *RECOVERY, "data.num_workers=0"))
     assert uninterrupted.returncode == 0, uninterrupted.output
-    resumed = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+    resumed = read_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")
     assert resumed["global_step"] == uninterrupted.checkpoint()["global_step"] == 44
     assert max_param_diff(resumed["model"], uninterrupted.checkpoint()["model"]) < 1e-6
 

@@ -12,6 +12,7 @@ import torch
 import yaml
 from hydra.utils import instantiate
 
+from conftest import read_checkpoint
 from hydraloop.data.digits import load_digits
 from hydraloop.data.folds import fold_split
 from hydraloop.data.mnist1d import load_mnist1d
@@ -143,7 +144,7 @@ def test_every_sample_is_validated_once_per_configuration(kfold_sweep, data_cach
         config = job_config(job)
         fold = config["data"]["fold"]
         _, val = load_digits(cache_dir=str(data_cache), num_folds=FOLDS, fold=fold)
-        checkpoint = torch.load(job / "checkpoints" / "last.pt", weights_only=True)
+        checkpoint = read_checkpoint(job / "checkpoints" / "last.pt")
         model = instantiate(checkpoint["config"]["model"])  # resolved, unlike .hydra/config.yaml
         model.load_state_dict(checkpoint["model"])
         with torch.no_grad():

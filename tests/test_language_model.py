@@ -9,9 +9,8 @@ import sys
 import time
 
 import pytest
-import torch
 
-from conftest import REPO, TRAIN, bad_input_line, max_param_diff
+from conftest import REPO, TRAIN, bad_input_line, max_param_diff, read_checkpoint
 from hydraloop.data.text import encode, read_text, unigram_entropy
 
 # A GPT small enough for seconds per run, with dropout on: its masks must not depend on how the batch is split.
@@ -34,7 +33,7 @@ ROUND_OFF = 1e-5
 
 
 def weights(run_dir, name="last.pt"):
-    return torch.load(run_dir / "checkpoints" / name, weights_only=True)["model"]
+    return read_checkpoint(run_dir / "checkpoints" / name)["model"]
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +104,7 @@ def test_resuming_from_a_mid_epoch_checkpoint_equals_the_uninterrupted_run(train
     steps = ("trainer.max_steps=12", "trainer.ckpt_every_n_steps=5", "trainer.keep_last_k=10")
     uninterrupted, run_dir = train_in_process(*recipe, *steps)
     checkpoint = run_dir / "checkpoints" / "step-00000005.pt"
-    assert torch.load(checkpoint, weights_only=True)["epoch_step"] == 5  # mid-epoch
+    assert read_checkpoint(checkpoint)["epoch_step"] == 5  # mid-epoch
     resumed, resumed_dir = train_in_process(*recipe, *steps, f"ckpt_path={checkpoint}")
     assert max_param_diff(weights(resumed_dir), weights(run_dir)) == 0.0
     assert resumed["train/loss"] == pytest.approx(uninterrupted["train/loss"], rel=1e-12)
@@ -115,7 +114,7 @@ def test_eval_of_a_language_model_checkpoint_equals_its_saved_metrics(train_in_p
     _, run_dir = train_in_process(*TINY)
     best = run_dir / "checkpoints" / "best.pt"
     evaluated, _ = train_in_process(*TINY, "mode=eval", f"ckpt_path={best}")
-    saved = torch.load(best, weights_only=True)["metrics"]
+    saved = read_checkpoint(best)["metrics"]
     assert {name: evaluated[name] for name in saved} == pytest.approx(saved, rel=1e-9)
 
 
@@ -131,7 +130,7 @@ def test_stop_mid_epoch_then_rerun_equals_the_uninterrupted_run(run_train, train
         time.sleep(0.05)
     job.send_signal(signal.SIGTERM)
     assert job.wait(timeout=120) == 128 + signal.SIGTERM
-    stopped = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+    stopped = read_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")
     assert 9 < stopped["global_step"] < 40 and stopped["epoch_step"] == stopped["global_step"]  # mid-epoch
     rerun = subprocess.run(command, cwd=REPO, env=train_env, capture_output=True, text=True, timeout=180)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr

@@ -9,11 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from conftest import REPO, free_port, wait_for
+from conftest import REPO, free_port, read_checkpoint, wait_for
 from hydraloop.checkpoint import step_checkpoint
 from hydraloop.loggers.base import flatten
 from tracking_stores import (
@@ -124,7 +123,7 @@ def test_mlflow_run(logged):
 
 def test_parameter_count(logged):
     run_dir, metrics, _, _ = logged
-    weights = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+    weights = read_checkpoint(run_dir / "checkpoints" / "last.pt")["model"]
     assert metrics["model/params"] == sum(tensor.numel() for tensor in weights.values()) == 26122
 
 

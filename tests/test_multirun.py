@@ -8,10 +8,9 @@ import sys
 from datetime import datetime
 
 import pytest
-import torch
 from hydra import compose, initialize_config_dir
 
-from conftest import REPO, TRAIN, max_param_diff
+from conftest import REPO, TRAIN, max_param_diff, read_checkpoint
 from tracking_stores import isolate_wandb, mlflow_runs, wandb_runs
 
 pytestmark = pytest.mark.slow
@@ -121,9 +120,7 @@ def test_joblib_sweep_ends_where_the_sequential_one_does(ddp_sweep, joblib_sweep
         assert found["world_size"] == 2
         for key in ("val/acc", "val/loss", "train/loss", "global_step"):
             assert found[key] == expected[key], key
-        weights = [
-            torch.load(job / "checkpoints" / "last.pt", weights_only=True)["model"] for job in (one_by_one, at_once)
-        ]
+        weights = [read_checkpoint(job / "checkpoints" / "last.pt")["model"] for job in (one_by_one, at_once)]
         assert max_param_diff(*weights) < 1e-6
 
 

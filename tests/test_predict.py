@@ -5,7 +5,7 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from conftest import bad_input_line
+from conftest import bad_input_line, read_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def predictions(run_dir) -> dict[str, np.ndarray]:
 def test_predictions_are_the_models_outputs_in_input_order(train_in_process, trained, inputs):
     ckpt = trained.run_dir / "checkpoints" / "last.pt"
     summary, run_dir = train_in_process("mode=predict", f"ckpt_path={ckpt}", f"data.predict_path={inputs}")
-    checkpoint = torch.load(ckpt, weights_only=True)
+    checkpoint = read_checkpoint(ckpt)
     model = instantiate(checkpoint["config"]["model"])
     model.load_state_dict(checkpoint["model"])
     with torch.no_grad():

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, max_param_diff
+from conftest import REPO, max_param_diff, read_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -100,7 +100,7 @@ def test_the_objective_example_trains(tmp_path, train_env):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["val/f1"] > 0.9 and metrics["val/exact"] > 0.6, metrics
-    best = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)
+    best = read_checkpoint(run_dir / "checkpoints" / "best.pt")
     assert best["config"]["optimized_metric"] == "val/f1" and best["config"]["optimized_metric_mode"] == "max"
 
 
@@ -126,7 +126,7 @@ def pairs_tree(tmp_path_factory, train_env):
 
 
 def weights(run_dir: Path) -> dict:
-    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+    return read_checkpoint(run_dir / "checkpoints" / "last.pt")["model"]
 
 
 def test_dict_batches_with_the_models_own_loss_train_alike_under_every_strategy_and_accumulation(pairs_tree):

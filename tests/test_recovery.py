@@ -7,9 +7,8 @@ import sys
 import time
 
 import pytest
-import torch
 
-from conftest import TRAIN, max_param_diff, torchrun_command, wait_for
+from conftest import TRAIN, max_param_diff, read_checkpoint, torchrun_command, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +42,7 @@ def test_stop_signal_mid_epoch_then_rerun_ends_where_the_uninterrupted_run_ends(
     # torchrun's own exit status after a signal is torchrun's; each rank's is ours, 143, after one line.
     assert job.returncode == 128 + signal.SIGTERM or launcher == "torchrun" and job.returncode != 0, output
     assert "stopped by SIGTERM" in output
-    checkpoint = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+    checkpoint = read_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")
     # The next logging step after the signal: step 15, mid-epoch.
     assert (checkpoint["epoch"], checkpoint["global_step"], checkpoint["epoch_step"]) == (0, 15, 15)
     assert not (tmp_path / "run" / "metrics.json").exists()  # the run did not finish
@@ -54,7 +53,7 @@ def test_stop_signal_mid_epoch_then_rerun_ends_where_the_uninterrupted_run_ends(
     uninterrupted = run_train(f"parallel={parallel}", *RECIPE)
     assert uninterrupted.returncode == 0, uninterrupted.output
 
-    resumed = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+    resumed = read_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")
     expected = uninterrupted.checkpoint()
     assert resumed["global_step"] == expected["global_step"] == 44
     assert max_param_diff(resumed["model"], expected["model"]) < 1e-6  # dropout masks included: per-step seeds
@@ -121,5 +120,5 @@ def test_torchrun_max_restarts_resumes_in_the_same_run_directory(tmp_path, train
     run_dirs = [p for p in (tmp_path / "outputs").glob("*/*") if p.is_dir()]
     assert len(run_dirs) == 1  # the restarted ranks found the first attempt's directory, and its checkpoint
     assert "checkpoints/last.pt: epoch 1, step 22" in (run_dirs[0] / "train.log").read_text()
-    model = torch.load(run_dirs[0] / "checkpoints" / "last.pt", weights_only=True)["model"]
+    model = read_checkpoint(run_dirs[0] / "checkpoints" / "last.pt")["model"]
     assert max_param_diff(model, uninterrupted_3_epochs.checkpoint()["model"]) < 1e-6

@@ -7,12 +7,12 @@ import logging
 import pytest
 import torch
 
-from conftest import max_param_diff
+from conftest import max_param_diff, read_checkpoint
 from hydraloop.data.loaders import GlobalBatchSampler
 
 
 def checkpoint(run_dir, name: str = "last.pt") -> dict:
-    return torch.load(run_dir / "checkpoints" / name, weights_only=True)
+    return read_checkpoint(run_dir / "checkpoints" / name)
 
 
 def test_an_epoch_resumed_under_another_batch_size_takes_each_remaining_sample_once():

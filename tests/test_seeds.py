@@ -2,11 +2,11 @@
 
 import torch
 
-from conftest import max_param_diff
+from conftest import max_param_diff, read_checkpoint
 
 
 def weights(run_dir):
-    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+    return read_checkpoint(run_dir / "checkpoints" / "last.pt")["model"]
 
 
 def test_seed_zero_is_a_seed(train_in_process):

@@ -7,13 +7,13 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import REPO, max_param_diff
+from conftest import REPO, max_param_diff, read_checkpoint
 
 ROUND_OFF = 1e-5
 
 
 def weights(run_dir, name="last.pt"):
-    return torch.load(run_dir / "checkpoints" / name, weights_only=True)["model"]
+    return read_checkpoint(run_dir / "checkpoints" / name)["model"]
 
 
 _REFERENCE: dict = {}
@@ -77,7 +77,7 @@ def test_ddp_knobs_keep_results(run_train, train_in_process):
 def test_mixed_precision_trains(train_in_process, precision):
     metrics, run_dir = train_in_process("trainer.max_epochs=4", "logger=none", f"trainer.precision={precision}")
     assert metrics["val/acc"] > 0.9  # float32 reaches ~0.94 after 4 epochs
-    checkpoint = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    checkpoint = read_checkpoint(run_dir / "checkpoints" / "last.pt")
     assert all(tensor.dtype == torch.float32 for tensor in checkpoint["model"].values())  # master weights
     if precision == "fp16":
         assert checkpoint["grad_scaler"]["scale"] > 0  # the loss scale, restored on resume

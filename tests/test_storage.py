@@ -14,9 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from conftest import TRAIN, bad_input_line, max_param_diff, wait_for
+from conftest import TRAIN, bad_input_line, max_param_diff, read_checkpoint, wait_for
 from hydraloop.errors import STORAGE_EXIT_CODE
 from hydraloop.run_lock import LOCK_FILE
 from test_run_lock import may_own
@@ -72,7 +71,7 @@ def test_a_second_run_into_a_live_runs_directory_is_refused_and_changes_nothing(
     output = first.communicate(timeout=120)[0]
     assert first.returncode == 0, output
 
-    finished = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    finished = read_checkpoint(run_dir / "checkpoints" / "last.pt")
     assert finished["global_step"] == 44
     assert max_param_diff(finished["model"], lone_run.checkpoint()["model"]) < 1e-6
     assert json.loads((run_dir / "metrics.json").read_text())["val/acc"] == lone_run.metrics["val/acc"]
@@ -188,7 +187,7 @@ def test_a_permission_fault_mid_run_ends_it_in_one_line_without_metrics(train_en
     assert errors[0].endswith(f"cannot write {run_dir}/metrics.json: Permission denied (EACCES)")
     assert not (run_dir / "metrics.json").exists()
     assert not [path for path in run_dir.rglob("*.tmp")]
-    assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["global_step"] == 44
+    assert read_checkpoint(run_dir / "checkpoints" / "last.pt")["global_step"] == 44
     assert may_own(run_dir)  # the lock it could not remove names a process that is gone: the next run takes it
 
 
@@ -196,7 +195,7 @@ def test_a_permission_fault_mid_run_ends_it_in_one_line_without_metrics(train_en
 def test_an_unreadable_last_checkpoint_falls_back_to_the_newest_readable_one(train_in_process, caplog, damage):
     metrics, run_dir = train_in_process(*RECIPE)
     last = run_dir / "checkpoints" / "last.pt"
-    uninterrupted = torch.load(last, weights_only=True)
+    uninterrupted = read_checkpoint(last)
     # In place, as a disk or a copy gone wrong would: step-00000044.pt, another name of the same file, too.
     os.truncate(last, last.stat().st_size // 2 if damage == "truncated" else 0)
 
@@ -210,7 +209,7 @@ def test_an_unreadable_last_checkpoint_falls_back_to_the_newest_readable_one(tra
     ]
     assert f"loaded {run_dir}/checkpoints/step-00000022.pt: epoch 1, step 22" in caplog.text
 
-    resumed = torch.load(last, weights_only=True)
+    resumed = read_checkpoint(last)
     assert resumed["global_step"] == 44
     assert max_param_diff(resumed["model"], uninterrupted["model"]) < 1e-6
     assert resumed_metrics["val/acc"] == metrics["val/acc"]
@@ -226,7 +225,7 @@ def test_starting_over_removes_the_abandoned_runs_step_checkpoints(train_in_proc
     checkpoints = run_dir / "checkpoints"
     assert sorted(path.name for path in checkpoints.iterdir()) == ["best.pt", "last.pt", "step-00000022.pt"]
     assert (checkpoints / "last.pt").samefile(checkpoints / "step-00000022.pt")  # a hard link: no second copy
-    assert torch.load(checkpoints / "last.pt", weights_only=True)["epoch"] == 1
+    assert read_checkpoint(checkpoints / "last.pt")["epoch"] == 1
 
 
 def test_a_rerun_after_a_killed_run_takes_over_its_lock_and_ends_where_the_lone_run_ends(run_train, lone_run):

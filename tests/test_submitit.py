@@ -14,11 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 from hydra import compose, initialize_config_dir
 
-from conftest import REPO, TRAIN, max_param_diff, wait_for
+from conftest import REPO, TRAIN, max_param_diff, read_checkpoint, wait_for
 from hydraloop.config import register_configs
 from hydraloop.parallel.cluster import export_submitit_rank_env, master_port
 
@@ -119,7 +118,7 @@ def test_two_rank_jobs_one_run_dir_each_and_match_single(run_train, tmp_path):
 
     single = run_train("seed=0", "trainer.max_epochs=2")
     assert single.returncode == 0, single.output
-    job0 = torch.load(jobs[0] / "checkpoints" / "last.pt", weights_only=True)
+    job0 = read_checkpoint(jobs[0] / "checkpoints" / "last.pt")
     assert max_param_diff(job0["model"], single.checkpoint()["model"]) < TOLERANCE
     assert job0["metrics"]["val/acc"] == single.metrics["val/acc"]
 
@@ -158,7 +157,7 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(run_train, train_env
     assert f"loaded {job}/checkpoints/last.pt: epoch 0, step 15" in log  # the requeued job, in the same directory
     uninterrupted = run_train("parallel=ddp", *recipe)
     assert uninterrupted.returncode == 0, uninterrupted.output
-    final = torch.load(job / "checkpoints" / "last.pt", weights_only=True)
+    final = read_checkpoint(job / "checkpoints" / "last.pt")
     assert final["global_step"] == 44
     assert max_param_diff(final["model"], uninterrupted.checkpoint()["model"]) < 1e-6
     assert task_returns(tmp_path / "sweep", job) == [final["metrics"]["val/acc"]] * 2

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from sklearn.metrics import mean_absolute_error, mean_squared_error, r2_score
 
-from conftest import bad_input_line, max_param_diff
+from conftest import bad_input_line, max_param_diff, read_checkpoint
 from hydraloop.tasks.classification import Classification
 from hydraloop.tasks.language_model import LanguageModel
 from hydraloop.tasks.regression import Regression
@@ -117,18 +117,16 @@ def test_regression_trains_and_its_metrics_are_those_of_its_predictions(train_in
     evaluated, _ = train_in_process(
         "experiment=diabetes_mlp", "logger=none", "mode=eval", f"ckpt_path={run_dir}/checkpoints/best.pt"
     )
-    saved = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)["metrics"]
+    saved = read_checkpoint(run_dir / "checkpoints" / "best.pt")["metrics"]
     assert {name: evaluated[name] for name in saved} == pytest.approx(saved, rel=1e-9)
-    last = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["metrics"]
+    last = read_checkpoint(run_dir / "checkpoints" / "last.pt")["metrics"]
     assert saved["val/mse"] <= last["val/mse"]  # best.pt is chosen by val/mse, minimised
 
 
 def test_gradient_accumulation_for_regression_matches_one_batch(train_in_process):
     plain, plain_dir = train_in_process(*REGRESSION)
     accumulated, accumulated_dir = train_in_process(*REGRESSION, "trainer.grad_accum_steps=4")
-    weights = [
-        torch.load(d / "checkpoints" / "last.pt", weights_only=True)["model"] for d in (plain_dir, accumulated_dir)
-    ]
+    weights = [read_checkpoint(d / "checkpoints" / "last.pt")["model"] for d in (plain_dir, accumulated_dir)]
     assert max_param_diff(*weights) < 1e-5
     assert accumulated["val/mse"] == pytest.approx(plain["val/mse"], rel=1e-5)
 

@@ -7,9 +7,8 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-from conftest import TRAIN
+from conftest import TRAIN, read_checkpoint
 
 
 def test_debug_fast_runs_one_batch_and_keeps_nothing(run_train):
@@ -46,12 +45,12 @@ def trained(run_train):
 @pytest.mark.parametrize("parallel", ["single", pytest.param("ddp", marks=pytest.mark.slow)])
 def test_eval_mode_reproduces_the_checkpoints_metrics(run_train, trained, parallel):
     checkpoint_path = trained.run_dir / "checkpoints" / "best.pt"
-    recorded = torch.load(checkpoint_path, weights_only=True)["metrics"]
+    recorded = read_checkpoint(checkpoint_path)["metrics"]
     run = run_train("mode=eval", f"ckpt_path={checkpoint_path}", f"parallel={parallel}", "logger=none")
     assert run.returncode == 0, run.output
     assert run.metrics["val/acc"] == recorded["val/acc"]  # every sample counted once, on one rank
     assert run.metrics["val/loss"] == pytest.approx(recorded["val/loss"], rel=1e-6)
-    assert run.metrics["epoch"] == torch.load(checkpoint_path, weights_only=True)["epoch"]
+    assert run.metrics["epoch"] == read_checkpoint(checkpoint_path)["epoch"]
     assert not (run.run_dir / "checkpoints").exists()  # evaluation writes metrics, not checkpoints
 
 

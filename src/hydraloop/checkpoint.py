@@ -1,5 +1,6 @@
 """Checkpoints: one dict of CPU tensors, loadable with torch.load(weights_only=True) on any machine, written
-atomically.
+atomically; or, under parallel=fsdp, the same dict as a directory of shards (hydraloop.sharded_checkpoint), which
+`load_checkpoint` reads back as this dict.
 
 Keys: model (state_dict of the unwrapped model), optimizer and scheduler (several optimizers' by name: `by_name`),
 the fields of TrainState (epoch: completed epochs, global_step, best_metric, ..., and epoch_samples, epoch_step,
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from hydraloop import sharded_checkpoint
 from hydraloop.errors import ConfigError
 from hydraloop.precision import Precision
 from hydraloop.storage import write_atomic
@@ -105,14 +107,17 @@ def step_checkpoints(directory: Path) -> dict[int, Path]:
     return found
 
 
-def load_checkpoint(path: str | Path, source: str | None = None) -> dict[str, Any]:
+def load_checkpoint(path: str | Path, source: str | None = None, lazy: bool = False) -> dict[str, Any]:
     """To the CPU, whatever device wrote it: loading into the model and optimizer copies to their devices, and
     leaves the optimizer's `step` counters on the CPU, where a non-fused optimizer keeps them (on the GPU, AdamW's
     foreach path would read each back to the host, twice per parameter per step). `source`: where the path came
-    from, for the one line that refuses it (default: `ckpt_path=...`)."""
+    from, for the one line that refuses it (default: `ckpt_path=...`). `lazy`: a sharded checkpoint's tensors stay
+    on disk, as `Shards` that the strategy loads (hydraloop.sharded_checkpoint); a file is memory-mapped anyway."""
     source = source or f"ckpt_path={path}"
     if not Path(path).exists():
         raise ConfigError(f"{source}: no such file")
+    if Path(path).is_dir():
+        return sharded_checkpoint.read(Path(path), source, lazy)
     if not Path(path).is_file():
         raise ConfigError(f"{source}: not a file")
     try:

@@ -215,6 +215,13 @@ class FSDPConfig(ProcessGroupConfig):
     """Hybrid sharding (HSDP): the ranks form `replicate` groups of world_size / replicate; each group holds one
     sharded copy of the model, and gradients are also averaged across groups. Shard within a node, replicate across
     nodes: replicate = the number of nodes. 1: plain FSDP, one copy sharded over all ranks."""
+    checkpoint: str = "sharded"
+    """sharded: every checkpoint is a directory in which each rank writes, and reads back, its own shards
+    (torch.distributed.checkpoint; any number of ranks, and single or ddp, resume from it); full: one file, whole,
+    which rank 0 gathers (its host memory must hold the model and optimizer state)."""
+    async_checkpoint: bool = False
+    """With checkpoint=sharded: the shards are copied to host memory and written in the background while training
+    goes on; the next checkpoint, a stop signal and the end of the run wait for it."""
 
 
 @dataclass

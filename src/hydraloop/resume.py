@@ -26,6 +26,7 @@ from hydraloop.optim import GROUPING_KEYS, config_key, group_sizes, optimizer_no
 from hydraloop.parallel.single import SingleDevice
 from hydraloop.precision import Precision
 from hydraloop.schedulers import apply_current_step
+from hydraloop.sharded_checkpoint import in_memory, tensor_shapes
 
 log = logging.getLogger(__name__)
 
@@ -35,16 +36,17 @@ def checkpoint_to_resume(cfg: Any, report: bool = False) -> str | None:
     restarted or requeued job, or the same command rerun into the same directory: it continues where it stopped),
     else `ckpt_path` (null: from scratch).
 
-    A last.pt that cannot be read (truncated, empty) gives way to the newest readable step-named checkpoint beside
-    it, with one warning line if `report` (the process that owns the run directory; every rank looks for itself).
+    A last.pt that cannot be read (truncated, empty; a sharded one with a shard missing or short) gives way to the
+    newest readable step-named checkpoint beside it, with one warning line if `report` (the process that owns the
+    run directory; every rank looks for itself).
     """
     directory = Path(cfg.output_dir) / "checkpoints"
     own = [directory / "last.pt", *(path for _, path in sorted(step_checkpoints(directory).items(), reverse=True))]
-    own = [path for path in own if path.is_file()] if cfg.resume and cfg.mode == "train" else []
+    own = [path for path in own if path.exists()] if cfg.resume and cfg.mode == "train" else []
     unreadable = []
     for path in own:
         try:
-            load_checkpoint(path)
+            load_checkpoint(path, lazy=True)
         except ConfigError:
             unreadable.append(path.name)
             continue
@@ -72,7 +74,7 @@ def check_resumable(path: str | Path, cfg: Any) -> None:
     source = f"resume=true: {path}" if own else f"ckpt_path={path}"
     hint = " (resume=false starts the run directory over)" if own else ""
     try:
-        checkpoint = load_checkpoint(path, source)
+        checkpoint = load_checkpoint(path, source, lazy=True)
     except ConfigError as error:
         raise ConfigError(f"{error}{hint}") from None
     if cfg.mode != "train":
@@ -110,7 +112,7 @@ def check_resumable(path: str | Path, cfg: Any) -> None:
                     f"order, repeating and leaving out samples; resume with {key}={then}{hint}"
                 )
     model_cfg = cfg.model
-    saved = {name: tuple(tensor.shape) for name, tensor in checkpoint["model"].items()}
+    saved = tensor_shapes(checkpoint["model"])
     with torch.device("meta"):
         model = instantiate(model_cfg)
     expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
@@ -176,7 +178,7 @@ def finished_records(path: str | Path, cfg: Any) -> dict[str, Any] | None:
     metrics_file = Path(cfg.output_dir) / "metrics.json"
     if cfg.mode != "train" or not is_own(path, cfg) or not metrics_file.is_file():
         return None
-    checkpoint = load_checkpoint(path)
+    checkpoint = load_checkpoint(path, lazy=True)
     max_steps = cfg.trainer.max_steps
     done = checkpoint["global_step"] >= max_steps if max_steps else checkpoint["epoch"] >= cfg.trainer.max_epochs
     if not (done or checkpoint.get("stopped_early")):
@@ -249,7 +251,7 @@ def is_own(path: str | Path, cfg: Any) -> bool:
 def load_weights(path: str | Path, strategy: SingleDevice, model: nn.Module, weights: str = "model") -> TrainState:
     """The checkpoint's weights into the (wrapped) model, for evaluation or prediction; its TrainState says whence.
     `weights` (ckpt_weights): model, or a callback that saved weights of its own, such as callbacks.ema's average."""
-    checkpoint = load_checkpoint(path)
+    checkpoint = load_checkpoint(path, lazy=True)
     strategy.load_model_state(model, model_state(checkpoint, weights, f"ckpt_path={path}"))
     return TrainState.of(checkpoint)
 
@@ -266,7 +268,7 @@ def model_state(checkpoint: dict[str, Any], weights: str, source: str) -> dict[s
             f"ckpt_weights={weights}: {source} holds no weights of callbacks.{weights}; it holds model"
             + (f" and {held}" if held else " only (trained without callbacks that average weights)")
         )
-    return {**checkpoint["model"], **saved[weights]["weights"]}
+    return {**in_memory(checkpoint["model"]), **saved[weights]["weights"]}
 
 
 def restore(

@@ -56,6 +56,21 @@ def link_atomic(source: Path, path: Path, consequence: str = "") -> None:
         fsync_directory(path.parent)
 
 
+def symlink_atomic(target: Path, path: Path, consequence: str = "") -> None:
+    """Makes `path` a symbolic link to `target` (by its name: both in one folder), replacing what `path` was in one
+    rename: a directory has no hard links."""
+    tmp = path.with_name(path.name + ".tmp")
+    with storage_errors(path, consequence):
+        _remove_quietly(tmp)
+        os.symlink(target.name, tmp)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            _remove_quietly(tmp)
+            raise
+        fsync_directory(path.parent)
+
+
 def remove(path: Path, consequence: str = "") -> None:
     with storage_errors(path, consequence):
         path.unlink(missing_ok=True)

@@ -9,6 +9,7 @@ import math
 import operator
 import time
 import warnings
+from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
@@ -20,7 +21,7 @@ from tqdm import tqdm
 
 from hydraloop.batches import map_tensors, to_device
 from hydraloop.callbacks import Callback
-from hydraloop.checkpoint import TrainState, checkpoint_state
+from hydraloop.checkpoint import TrainState, checkpoint_state, step_checkpoint
 from hydraloop.data.loaders import GlobalBatchSampler, TrainLoader
 from hydraloop.early_stopping import EarlyStopping
 from hydraloop.errors import Interrupted, TrainingDiverged
@@ -33,6 +34,7 @@ from hydraloop.preemption import STOP_SIGNALS, StopRequest
 from hydraloop.profiling import NullProfiler
 from hydraloop.run_writer import NullRunWriter
 from hydraloop.seeding import StepSeeder, epoch_seed, seed_everything
+from hydraloop.sharded_checkpoint import staging_dir
 from hydraloop.step import OptimizerStep
 from hydraloop.tasks.base import Task
 
@@ -111,6 +113,7 @@ class Trainer:
         patience, min_delta = settings.early_stopping.patience, settings.early_stopping.min_delta
         self.early_stopping = EarlyStopping(patience, min_delta, optimized_metric, optimized_metric_mode)
         self.config = config  # stored in every checkpoint
+        self.checkpoint_dir = Path(config.get("output_dir", ".")) / "checkpoints"
         self.stop_request = stop_request or StopRequest()
         self.stop_signum = 0  # the stop signal all ranks agreed on at the last reduction
         self.seed_step = StepSeeder(seed, strategy.rank, strategy.devices)
@@ -188,6 +191,7 @@ class Trainer:
             if self.validated_at != state.global_step:  # ended mid-epoch, or resumed with nothing left to train
                 trained = state.global_step > start_step
                 self.validate_and_save(state, save=trained and self.saved_at != state.global_step)
+        self.checkpoint_written()
         wall_time_s = time.perf_counter() - start
         # The latest validation's: also one every N steps that early stopping ended the run at, mid-epoch.
         return {**self._summary(self.validated, state), "train/loss": state.train_loss, "wall_time_s": wall_time_s}
@@ -225,12 +229,14 @@ class Trainer:
         """The one place a checkpoint is made; called on every rank.
 
         The strategy decides what that costs each rank: single and DDP build the state only where it is written
-        (rank 0; the others have a null writer), FSDP gathers the shards on every rank (a collective).
+        (rank 0; the others have a null writer); under FSDP every rank writes its own shards (or, with
+        `parallel.checkpoint=full`, gathers them for rank 0: a collective).
         """
         if not self.save_checkpoints:
             self.saved_at = state.global_step
             return  # not even FSDP's gather
-        state_dicts = self.strategy.state_dicts(self.model, self.optimizers)
+        staging = staging_dir(step_checkpoint(self.checkpoint_dir, state.global_step))
+        state_dicts = self.strategy.state_dicts(self.model, self.optimizers, staging)
         callback_states = {name: callback.state_dict(self) for name, callback in self.callbacks.items()}
 
         def make_state() -> dict[str, Any]:
@@ -247,6 +253,12 @@ class Trainer:
 
         self.writer.save_checkpoint(make_state, is_best=is_best)
         self.saved_at = state.global_step
+
+    def checkpoint_written(self) -> None:
+        """Waits for a checkpoint written in the background (parallel.async_checkpoint) to be on disk, and names it
+        last.pt (and best.pt); a failed write ends the run in one line, the checkpoints before it intact."""
+        self.strategy.wait_for_checkpoint()
+        self.writer.checkpoint_written()
 
     def _check_finite(self, loss: float, interval: Interval, state: TrainState) -> None:
         lr = next(iter(self.schedulers.values())).get_last_lr()[0]
@@ -276,6 +288,7 @@ class Trainer:
     def _stop(self, where: str) -> NoReturn:
         """Ends the run on a stop signal, after its checkpoint; the loggers mark their runs preempted, not failed."""
         log.info("stopping %s", where)  # the launcher of spawned ranks reports only the signal
+        self.checkpoint_written()
         self.writer.interrupted()
         raise Interrupted(self.stop_signum, f"{where}: {self._resume_hint()}")
 

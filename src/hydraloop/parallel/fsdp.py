@@ -1,10 +1,12 @@
 """`parallel=fsdp`: fully sharded data parallel (FSDP2). DDP's launch and process group, a different wrapper, a model
-that no device holds whole (built on the meta device, each rank allocating its own shards), and checkpoints that
-gather the shards into the plain model's and optimizer's state, so that every strategy resumes from them."""
+that no device holds whole (built on the meta device, each rank allocating its own shards), and checkpoints in which
+each rank writes and reads its own shards (hydraloop.sharded_checkpoint; or, `checkpoint=full`, one file that rank 0
+gathers). Every strategy resumes from either kind."""
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,8 +25,10 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.optim import Optimizer
 
 from hydraloop.batches import slice_rows
+from hydraloop.checkpoint import by_name
 from hydraloop.errors import ConfigError
 from hydraloop.parallel.ddp import DDPStrategy
+from hydraloop.sharded_checkpoint import Shards, WrittenShards, keyed_by_position, rekeyed, write_shards
 
 DTYPES = {None: None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 # Rank 0 holds the full state; each rank receives only its shards of it.
@@ -49,6 +53,8 @@ class FSDPStrategy(DDPStrategy):
         reduce_dtype: str | None = None,
         build_on_meta: bool = True,
         replicate: int = 1,
+        checkpoint: str = "sharded",
+        async_checkpoint: bool = False,
         **process_group: Any,
     ) -> None:
         """`process_group`: how the ranks start, meet and stop, as for DDP (hydraloop.config.ProcessGroupConfig);
@@ -59,8 +65,15 @@ class FSDPStrategy(DDPStrategy):
                 f"parallel.replicate={replicate}: must divide the world size, {self.world_size} ranks, into groups "
                 "of equal size (1: no replication)"
             )
+        if checkpoint not in ("sharded", "full"):
+            raise ConfigError(f"parallel.checkpoint={checkpoint}: must be sharded or full")
+        if async_checkpoint and checkpoint != "sharded":
+            raise ConfigError("parallel.async_checkpoint=true: needs parallel.checkpoint=sharded")
         self.replicate = replicate
         self.build_on_meta = build_on_meta
+        self.sharded_checkpoints = checkpoint == "sharded"
+        self.async_checkpoint = async_checkpoint
+        self.in_flight: WrittenShards | None = None  # the checkpoint whose shards are being written
         self.shard_modules = None if shard_modules is None else list(shard_modules)
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = MixedPrecisionPolicy(
@@ -99,8 +112,13 @@ class FSDPStrategy(DDPStrategy):
         else:
             shape = (self.replicate, self.world_size // self.replicate)
             self.mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=("replicate", "shard"))
+        # A background checkpoint write runs its collectives in another thread than training's: on a process group
+        # of its own, so that the two never interleave on one (gloo: on the CPU, where async_save stages the shards).
+        self.checkpoint_group = dist.new_group(backend="gloo") if self.async_checkpoint else None
 
     def teardown(self) -> None:
+        with suppress(Exception):  # a run ending on an error: its checkpoint in flight still completes or fails
+            self.wait_for_checkpoint()
         # A gloo worker thread frees a finished collective's work object after Python has its result, taking the GIL
         # to release its tensors; one still waiting for the GIL when the interpreter shuts down aborts the process
         # ("terminate called without an active exception"; a torchrun rank, about 1 run in 10 on a busy 2-core
@@ -196,26 +214,58 @@ class FSDPStrategy(DDPStrategy):
             yield slice_rows(batch, 0, 0)
 
     def state_dicts(
-        self, model: nn.Module, optimizers: dict[str, Optimizer]
-    ) -> Callable[[], tuple[dict, dict[str, dict]]]:
+        self, model: nn.Module, optimizers: dict[str, Optimizer], staging: Path | None = None
+    ) -> Callable[[], tuple[Any, dict[str, dict]]]:
+        if self.sharded_checkpoints:
+            return self._write_shards(model, optimizers, staging)
         # Gathering the full tensors is a collective that every rank joins, now; only rank 0 receives them, on
         # the CPU. An optimizer's state comes keyed by parameter name; a checkpoint keys it like a plain
         # optimizer, by position, so that any strategy resumes from it.
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_state = get_model_state_dict(model, options=options)
-        by_name = {name: get_optimizer_state_dict(model, o, options=options) for name, o in optimizers.items()}
-        return lambda: (model_state, {name: _keyed_by_position(state) for name, state in by_name.items()})
+        states = {name: get_optimizer_state_dict(model, o, options=options) for name, o in optimizers.items()}
+        return lambda: (model_state, {name: keyed_by_position(state) for name, state in states.items()})
 
-    def load_model_state(self, model: nn.Module, state: dict[str, Any]) -> None:
+    def _write_shards(
+        self, model: nn.Module, optimizers: dict[str, Optimizer], staging: Path
+    ) -> Callable[[], tuple[WrittenShards, dict[str, dict]]]:
+        """Each rank writes its own shards of the model and of the optimizers' state into `staging`, now or in the
+        background (`async_checkpoint`: the next checkpoint, a stop and the end of the run wait for it). The writer
+        (rank 0) gets the rest: each optimizer's param_groups, keyed by parameter name, and where the shards are."""
+        self.wait_for_checkpoint()
+        # The model's first: its state_dict hook reshards parameters a forward left gathered (validation's, with
+        # reshard_after_forward=false), which the optimizer's, keyed by the sharded parameters, needs.
+        model_state = get_model_state_dict(model)
+        states = {name: get_optimizer_state_dict(model, optimizer) for name, optimizer in optimizers.items()}
+        tensors = {"model": model_state, "optimizer": by_name({name: state["state"] for name, state in states.items()})}
+        future = write_shards(tensors, staging, self.checkpoint_group, background=self.async_checkpoint)
+        self.in_flight = written = WrittenShards(staging, future)
+        groups = {name: {"param_groups": state["param_groups"]} for name, state in states.items()}
+        return lambda: (written, groups)
+
+    def wait_for_checkpoint(self) -> None:
+        if self.in_flight is not None:
+            in_flight, self.in_flight = self.in_flight, None
+            in_flight.wait("; the checkpoints saved before are intact")
+
+    def load_model_state(self, model: nn.Module, state: dict[str, Any] | Shards) -> None:
+        if isinstance(state, Shards):  # each rank reads its own shards, however many ranks wrote them
+            set_model_state_dict(model, state.load_into(get_model_state_dict(model)))
+            return
         # Rank 0 reads the full state (every rank opened the file, memory-mapped: what a rank never reads costs it
         # no memory) and sends each rank its shards, one tensor at a time.
         set_model_state_dict(model, self._from_rank_0(state), options=FROM_RANK_0)
 
     def load_optimizer_state(self, model: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:
+        if isinstance(state["state"], Shards):  # keyed by parameter name, as FSDP's loader wants
+            template = get_optimizer_state_dict(model, optimizer)  # this rank's shards of every moment
+            loaded = {"state": state["state"].load_into(template["state"]), "param_groups": state["param_groups"]}
+            set_optimizer_state_dict(model, optimizer, loaded)
+            return
         # The checkpoint keys parameters by position in the optimizer's groups; FSDP's loader wants their names.
         name_of = {param: name for name, param in model.named_parameters()}
         names = [name_of[param] for group in optimizer.param_groups for param in group["params"]]
-        set_optimizer_state_dict(model, optimizer, self._from_rank_0(_rekeyed(state, names)), options=FROM_RANK_0)
+        set_optimizer_state_dict(model, optimizer, self._from_rank_0(rekeyed(state, names)), options=FROM_RANK_0)
 
     def _from_rank_0(self, state: dict[str, Any]) -> dict[str, Any]:
         return state if self.rank == 0 else {}
@@ -252,18 +302,3 @@ def _dtype(key: str, name: str | None) -> torch.dtype | None:
     if name not in DTYPES:
         raise ConfigError(f"parallel.{key}={name}: must be null, float32 or bfloat16")
     return DTYPES[name]
-
-
-def _keyed_by_position(state: dict[str, Any]) -> dict[str, Any]:
-    """A full optimizer state keyed by parameter name -> `Optimizer.state_dict()`'s format, keyed by the
-    parameter's position in the optimizer's groups (counted across groups)."""
-    names = [name for group in state["param_groups"] for name in group["params"]]
-    return _rekeyed(state, {name: position for position, name in enumerate(names)})
-
-
-def _rekeyed(state: dict[str, Any], new_key: dict | list) -> dict[str, Any]:
-    """An optimizer state with every parameter key (in `state` and in each group's `params`) k -> new_key[k]."""
-    return {
-        "state": {new_key[k]: value for k, value in state["state"].items()},
-        "param_groups": [{**group, "params": [new_key[k] for k in group["params"]]} for group in state["param_groups"]],
-    }

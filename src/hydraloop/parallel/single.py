@@ -1,6 +1,7 @@
 import os
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -8,6 +9,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from hydraloop.errors import ConfigError
+from hydraloop.sharded_checkpoint import in_memory
 
 T = TypeVar("T")
 
@@ -121,24 +123,31 @@ class SingleDevice:
         each rank updates its own from its own shard, and rank 0's are saved. Here, one rank: nothing to do."""
 
     def state_dicts(
-        self, model: nn.Module, optimizers: dict[str, Optimizer]
-    ) -> Callable[[], tuple[dict, dict[str, dict]]]:
+        self, model: nn.Module, optimizers: dict[str, Optimizer], staging: Path | None = None
+    ) -> Callable[[], tuple[Any, dict[str, dict]]]:
         """The model's and each optimizer's state (by name) for a checkpoint, as a plain model and optimizer hold it.
 
-        A function, called only where a checkpoint is written (rank 0), so other ranks copy nothing.
+        A function, called only where a checkpoint is written (rank 0), so other ranks copy nothing. `staging`:
+        where a strategy whose ranks write their own shards writes them (FSDP; hydraloop.sharded_checkpoint).
         """
         return lambda: (
             self.unwrap(model).state_dict(),
             {name: optimizer.state_dict() for name, optimizer in optimizers.items()},
         )
 
+    def wait_for_checkpoint(self) -> None:
+        """Until this rank's part of a checkpoint written in the background is on disk (FSDP's); a failed write
+        raises StorageError. Here, every checkpoint is written before `state_dicts` returns: nothing to wait for."""
+
     def load_model_state(self, model: nn.Module, state: dict[str, Any]) -> None:
-        """Loads a checkpoint's `model` (a plain model's state_dict) into the wrapped model; on every rank."""
-        self.unwrap(model).load_state_dict(state)
+        """Loads a checkpoint's `model` (a plain model's state_dict, or a sharded checkpoint's, read whole) into the
+        wrapped model; on every rank."""
+        self.unwrap(model).load_state_dict(in_memory(state))
 
     def load_optimizer_state(self, model: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:
-        """Loads a checkpoint's `optimizer` (a plain optimizer's state_dict); on every rank."""
-        optimizer.load_state_dict(state)
+        """Loads a checkpoint's `optimizer` (a plain optimizer's state_dict, or a sharded checkpoint's, read whole);
+        on every rank."""
+        optimizer.load_state_dict(in_memory(state))
 
     def all_reduce(self, tensor: Tensor) -> Tensor:
         """Sums `tensor` over ranks, in place; returns it."""
