@@ -5,7 +5,10 @@ lent for a few minutes, offline, with a CUDA PyTorch already installed.
 2. tests: tests/test_cuda.py (the CUDA sync-count test among them) and tests/test_device_paths.py;
 3. benchmark: scripts/benchmark.py in fp32 (loop, start-up, strategies) and bf16 (loop);
 4. runs: whole MNIST-1D CNN trainings: single in fp32 and bf16 with compile off and on, dataparallel, ddp and fsdp
-   with as many ranks as there are GPUs (at most 2); and experiment=text_gpt in bf16, compiled: tokens/s and MFU.
+   with as many ranks as there are GPUs (at most 2); and experiment=text_gpt in bf16, compiled: tokens/s and MFU;
+5. memory: scripts/benchmark_memory.py's table (each rank's max_memory_allocated through a save and a resume) under
+   single, ddp and fsdp with as many ranks as there are GPUs (at most 2; on one GPU, fsdp with one rank is the
+   degenerate case, reported as such).
 
 Every step gets what is left of `--budget-s`; one that fails or runs out of time does not stop the others. Writes
 OUT/gpu_check.json (everything) beside OUT/gpu_check.log (all the output), prints a short table, and exits 1 when
@@ -147,6 +150,25 @@ def gpt_run(args, steps: Steps, out: Path, env: dict) -> dict:
     return row
 
 
+def memory_table(args, steps: Steps, out: Path, env: dict) -> dict:
+    ranks = "2" if args.device == "cpu" or torch.cuda.device_count() > 1 else "1"
+    json_file = out / "benchmark_memory.json"
+    command = [
+        sys.executable,
+        "scripts/benchmark_memory.py",
+        "--ranks",
+        ranks,
+        "--repeats",
+        "1",
+        "--out",
+        str(json_file),
+    ]
+    status, _ = steps.run("memory", [*command, "--sizes", "4x512", "8x1024"], limit_s=150, env=env)
+    if status != "ok":
+        return {}
+    return {**json.loads(json_file.read_text()), "degenerate": ranks == "1"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path, nargs="?", default=REPO / "outputs" / "gpu_check")
@@ -191,6 +213,7 @@ def main() -> None:
 
     report["runs"] = training_runs(args, steps, out, env)
     report["gpt"] = gpt_run(args, steps, out, env)
+    report["memory"] = memory_table(args, steps, out, env)
     report["steps"], report["failed"] = steps.record, steps.failed
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
     log(summary(report))
@@ -221,6 +244,17 @@ def summary(report: dict) -> str:
         lines.append(
             f"text_gpt bf16 compiled: {gpt['tokens_per_s']:.0f} tokens/s, MFU {mfu}, val/loss {gpt['val_loss']:.3f}"
         )
+    memory = report.get("memory") or {}
+    if memory:
+        one = " (one GPU: fsdp with one rank, the degenerate case)" if memory["degenerate"] else ""
+        lines.append(f"memory, MiB above the runtime's, each rank's largest{one}:")
+        for row in memory["rows"]:
+            recompute = "recompute" if row["activation_checkpointing"] else "keep"
+            vs = f", x{row['vs_single']} single's" if row["vs_single"] else ""
+            figures = ", ".join(f"{mib:.0f}" for _, mib in sorted(row["above_baseline_mib"].items()))
+            lines.append(f"  {row['strategy']:6} GPT {row['gpt']:8} {recompute:9} {figures}{vs}")
+        for stall in memory["checkpoint_stall"]:
+            lines.append(f"  checkpoint written {stall['written']}: {stall['stall_s_per_checkpoint']:.3f} s stall")
     skipped = [r["step"] for r in report["steps"] if "skipped" in r["status"]]
     lines.append(f"skipped for lack of time: {', '.join(skipped)}" if skipped else "every step ran")
     lines.append(f"FAILED: {'; '.join(report['failed'])}" if report["failed"] else "nothing failed")

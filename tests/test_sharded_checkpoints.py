@@ -3,6 +3,7 @@ checkpoint resumes on another number of ranks, and under single, equal to the un
 plain torch.load on demand; nothing lost when a rank dies mid-write or a shard goes missing."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,8 +12,10 @@ import pytest
 import torch
 
 from conftest import REPO, TRAIN, max_param_diff, read_checkpoint, wait_for
+from hydraloop.errors import STORAGE_EXIT_CODE
 from test_bad_input import assert_rejected
 from test_fsdp import TOLERANCE, moments
+from test_storage import file_size_limit
 
 pytestmark = pytest.mark.slow
 
@@ -194,3 +197,23 @@ def test_a_sharded_checkpoint_of_another_model_is_one_line_naming_a_key_and_its_
 def test_async_checkpoint_needs_sharded_checkpoints(run_refused):
     run = run_refused("parallel=fsdp", "parallel.checkpoint=full", "parallel.async_checkpoint=true")
     assert_rejected(run, "parallel.async_checkpoint=true: needs parallel.checkpoint=sharded")
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_full_disk_ends_the_run_in_one_line_and_keeps_the_sharded_checkpoints(run_train, fsdp_1_epoch, background):
+    """Every file may grow to half a shard only: the step-44 checkpoint cannot be written, now or in the background."""
+    run_dir = fsdp_1_epoch.run_dir.with_name(f"{fsdp_1_epoch.run_dir.name}-full-{background}")
+    shutil.copytree(fsdp_1_epoch.run_dir, run_dir, symlinks=True)
+    (run_dir / "metrics.json").unlink()
+    checkpoints = run_dir / "checkpoints"
+    limit = (checkpoints / "step-00000022.pt" / "__0_0.distcp").stat().st_size // 2
+    overrides = ("parallel=fsdp", f"parallel.async_checkpoint={str(background).lower()}", *TWO)
+    full = run_train(*overrides, run_dir=run_dir, preexec_fn=file_size_limit(limit))
+    assert full.returncode == STORAGE_EXIT_CODE, full.output
+    errors = [line for line in full.output.splitlines() if "[ERROR]" in line]
+    # torch.save, writing a shard, keeps only its own error of the write the limit cut short (the OSError is lost).
+    error = errors[-1].split(" - ", 1)[1]
+    assert error.startswith(f"cannot write {checkpoints}/step-00000044.pt: "), error
+    assert error.endswith("; the checkpoints saved before are intact") and "\n" not in error
+    assert sorted(path.name for path in checkpoints.iterdir()) == ["best.pt", "last.pt", "step-00000022.pt"]
+    assert read_checkpoint(checkpoints / "last.pt")["global_step"] == 22

@@ -21,12 +21,13 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from hydraloop.errors import ConfigError, StorageError
-from hydraloop.storage import describe, fsync_directory, storage_errors
+from hydraloop.storage import describe, fsync_directory, os_error_in, storage_errors
 
 STATE_FILE = "state.pt"
 
@@ -79,10 +80,8 @@ class WrittenShards:
             return
         try:
             self.future.result()
-        except Exception as error:
-            shutil.rmtree(self.staging, ignore_errors=True)
-            cause = describe(error) if isinstance(error, OSError) else f"{type(error).__name__}: {error}"
-            raise StorageError(f"cannot write {self.staging.with_suffix('')}: {cause}{consequence}") from error
+        except (Exception, CheckpointException) as error:
+            raise _write_error(error, self.staging, consequence) from None
         finally:
             self.future = None
 
@@ -97,9 +96,29 @@ def write_shards(tensors: dict[str, Any], staging: Path, process_group: Any = No
     host memory while training goes on (the returned future ends when every rank's shards are on disk)."""
     if background:
         return dcp.async_save(tensors, checkpoint_id=staging, process_group=process_group)
-    with storage_errors(staging, "; the checkpoints saved before are intact"):
+    try:
         dcp.save(tensors, checkpoint_id=staging, process_group=process_group)
+    except (Exception, CheckpointException) as error:
+        raise _write_error(error, staging, "; the checkpoints saved before are intact") from None
     return None
+
+
+def _write_error(error: BaseException, staging: Path, consequence: str) -> BaseException:
+    """A failed write of shards as StorageError, one line naming the checkpoint and the reason (the operating
+    system's, where one is found), with the staging directory removed. DCP reports each failing rank's exception in
+    a CheckpointException (a BaseException); torch.save inside it may keep only its own RuntimeError of a write
+    the file-size limit cut short. Anything else as it is."""
+    shutil.rmtree(staging, ignore_errors=True)
+    failures = {rank: failure for rank, (failure, _) in getattr(error, "failures", {}).items()}
+    causes = [cause for cause in map(os_error_in, [*failures.values(), error]) if cause is not None]
+    if causes:
+        reason = describe(causes[0])
+    elif failures:
+        rank, failure = next(iter(sorted(failures.items())))
+        reason = f"rank {rank}: {type(failure).__name__}: {str(failure).strip().splitlines()[0]}"
+    else:
+        return error
+    return StorageError(f"cannot write {staging.with_suffix('')}: {reason}{consequence}")
 
 
 def finish(state: dict[str, Any], path: Path, consequence: str) -> None:

@@ -132,7 +132,7 @@ def storage_errors(path: Path, consequence: str = "") -> Iterator[None]:
     except StorageError:
         raise
     except Exception as error:
-        cause = _os_error_in(error)
+        cause = os_error_in(error)
         if cause is None:
             raise
         raise StorageError(f"cannot write {path}: {describe(cause)}{consequence}") from error
@@ -145,7 +145,7 @@ def describe(error: OSError) -> str:
     return f"{error.strerror or os.strerror(error.errno)} ({errno.errorcode.get(error.errno, error.errno)})"
 
 
-def _os_error_in(error: BaseException | None) -> OSError | None:
+def os_error_in(error: BaseException | None) -> OSError | None:
     seen = set()
     while error is not None and id(error) not in seen:
         if isinstance(error, OSError):
