@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -217,3 +218,35 @@ def test_a_full_disk_ends_the_run_in_one_line_and_keeps_the_sharded_checkpoints(
     assert error.endswith("; the checkpoints saved before are intact") and "\n" not in error
     assert sorted(path.name for path in checkpoints.iterdir()) == ["best.pt", "last.pt", "step-00000022.pt"]
     assert read_checkpoint(checkpoints / "last.pt")["global_step"] == 22
+
+
+def test_predict_and_sample_read_a_sharded_checkpoint_as_its_consolidated_file(run_train, fsdp_1_epoch, tmp_path):
+    sharded = fsdp_1_epoch.run_dir / "checkpoints" / "last.pt"
+    whole = tmp_path / "whole.pt"
+    consolidate = [sys.executable, str(REPO / "scripts" / "consolidate.py"), str(sharded), str(whole)]
+    subprocess.run(consolidate, check=True, capture_output=True, timeout=120)
+    inputs = tmp_path / "new.npz"
+    np.savez(inputs, x=np.random.default_rng(0).random((37, 1, 8, 8), dtype=np.float32))
+    runs = [
+        run_train("mode=predict", f"ckpt_path={whole}", f"data.predict_path={inputs}"),
+        run_train("mode=predict", f"ckpt_path={sharded}", f"data.predict_path={inputs}", "parallel=fsdp"),
+    ]
+    for run in runs:
+        assert run.returncode == 0, run.output
+    expected, found = (np.load(run.run_dir / "predictions.npz") for run in runs)
+    assert np.array_equal(found["class"], expected["class"])
+    np.testing.assert_allclose(found["probabilities"], expected["probabilities"], rtol=1e-6)
+
+    gpt = ("experiment=text_gpt", "model.n_layer=1", "model.n_embd=32", "trainer.max_steps=2", "logger=none")
+    lm = run_train(*gpt, "parallel=fsdp", "scheduler.warmup_steps=0", "trainer.val_every_n_steps=null")
+    assert lm.returncode == 0, lm.output
+    lm_whole = tmp_path / "lm.pt"
+    lm_sharded = lm.run_dir / "checkpoints" / "last.pt"
+    subprocess.run([*consolidate[:2], str(lm_sharded), str(lm_whole)], check=True, capture_output=True, timeout=120)
+    sample = [sys.executable, str(REPO / "scripts" / "sample.py"), "--prompt", "ROMEO:", "--max-new-tokens", "30"]
+    texts = [
+        subprocess.run([*sample, str(path)], capture_output=True, text=True, timeout=120)
+        for path in (lm_sharded, lm_whole)
+    ]
+    assert texts[0].returncode == 0, texts[0].stderr
+    assert texts[0].stdout == texts[1].stdout and texts[0].stdout.startswith("ROMEO:")
