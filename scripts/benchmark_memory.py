@@ -2,7 +2,7 @@
 checkpointing, through a checkpoint save and a resume; and how long a checkpoint stalls training, written
 synchronously against in the background (parallel.async_checkpoint).
 
-    python scripts/benchmark_memory.py [--sizes 4x512 8x1024] [--ranks 2] [--out outputs/benchmark_memory.json]
+    python scripts/benchmark_memory.py [--sizes 4x512:32x256 8x1024] [--ranks 2] [--out outputs/benchmark_memory.json]
 
 Each figure comes from whole commands (`python src/train.py experiment=text_gpt ...`, 2 steps and a checkpoint,
 then a resume to step 3 and another checkpoint), each process reporting its own peak as it exits (a sitecustomize on
@@ -45,7 +45,6 @@ if os.environ.get("HYDRALOOP_PEAK_DIR"):
 """
 BASE = (
     "experiment=text_gpt",
-    "data.batch_size=8",
     "model.dropout=0.0",
     "trainer.limit_val_batches=2",
     "logger=none",
@@ -56,8 +55,12 @@ STRATEGIES = {"single": ("parallel=single",), "ddp": ("parallel=ddp",), "fsdp": 
 
 
 def gpt(size: str) -> tuple[str, ...]:
-    layers, width = (int(part) for part in size.split("x"))
-    return f"model.n_layer={layers}", f"model.n_embd={width}", f"model.n_head={max(1, width // 64)}"
+    """LAYERSxWIDTH[:BATCHxBLOCK] (default batch 8 of 64 tokens) as overrides."""
+    model, _, batch = size.partition(":")
+    layers, width = (int(part) for part in model.split("x"))
+    rows, block = (int(part) for part in (batch or "8x64").split("x"))
+    model_overrides = (f"model.n_layer={layers}", f"model.n_embd={width}", f"model.n_head={max(1, width // 64)}")
+    return *model_overrides, f"data.batch_size={rows}", f"data.block_size={block}"
 
 
 def peaks(overrides: list[str], run_dir: Path, env: dict[str, str]) -> dict[str, float]:
@@ -163,7 +166,12 @@ def row_line(row: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", nargs="+", default=["4x512", "8x1024"], help="GPTs as LAYERSxWIDTH")
+    parser.add_argument(
+        "--sizes",
+        nargs="+",
+        default=["4x512:32x256", "8x1024"],
+        help="GPTs as LAYERSxWIDTH[:BATCHxBLOCK] (default 8x64): one whose activations dominate, one its weights",
+    )
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
     parser.add_argument("--repeats", type=int, default=3, help="of the stall measurement (0: none)")

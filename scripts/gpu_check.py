@@ -163,7 +163,7 @@ def memory_table(args, steps: Steps, out: Path, env: dict) -> dict:
         "--out",
         str(json_file),
     ]
-    status, _ = steps.run("memory", [*command, "--sizes", "4x512", "8x1024"], limit_s=150, env=env)
+    status, _ = steps.run("memory", [*command, "--sizes", "4x512:32x256", "8x1024"], limit_s=150, env=env)
     if status != "ok":
         return {}
     return {**json.loads(json_file.read_text()), "degenerate": ranks == "1"}
