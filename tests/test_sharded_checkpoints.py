@@ -138,6 +138,21 @@ def test_a_missing_or_short_shard_falls_back_to_the_previous_checkpoint(
     assert "continuing from step-00000030.pt" in rerun.output
     assert_ends_like(rerun, single_2_epochs)
 
+    # Damaged bytes, the length intact: found as the shard is read, one line (a damaged file is not found at all).
+    assert sorted(path.name for path in checkpoints.glob("step-*")) == ["step-00000030.pt", "step-00000044.pt"]
+    with open(checkpoints / "step-00000044.pt" / "__1_0.distcp", "r+b") as shard:
+        shard.write(b"\xff" * 500)
+    damaged = run_train("mode=eval", f"ckpt_path={checkpoints}/step-00000044.pt")
+    assert damaged.returncode == 2, damaged.output
+    assert f"{checkpoints}/step-00000044.pt: not a readable checkpoint: a shard is damaged (" in damaged.output
+    assert "Traceback" not in damaged.output
+    # The directory last.pt links to, removed: the link is an unreadable checkpoint, said so, and the rerun falls back.
+    shutil.rmtree(checkpoints / "step-00000044.pt")
+    (run_dir / "metrics.json").unlink()
+    again = run_train("parallel=fsdp", *TWO, run_dir=run_dir)
+    assert "last.pt cannot be read" in again.output and "continuing from step-00000030.pt" in again.output
+    assert_ends_like(again, single_2_epochs)
+
 
 def test_keep_last_k_removes_shard_directories_but_the_one_best_pt_names(run_train, tmp_path):
     run = run_train(

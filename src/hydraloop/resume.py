@@ -42,7 +42,8 @@ def checkpoint_to_resume(cfg: Any, report: bool = False) -> str | None:
     """
     directory = Path(cfg.output_dir) / "checkpoints"
     own = [directory / "last.pt", *(path for _, path in sorted(step_checkpoints(directory).items(), reverse=True))]
-    own = [path for path in own if path.exists()] if cfg.resume and cfg.mode == "train" else []
+    # A link whose directory is gone (last.pt -> a removed step-named one) is an unreadable checkpoint, said so.
+    own = [path for path in own if path.exists() or path.is_symlink()] if cfg.resume and cfg.mode == "train" else []
     unreadable = []
     for path in own:
         try:

@@ -14,7 +14,9 @@ the scripts; or with `Shards` standing for the tensors, which parallel=fsdp load
 
 import os
 import shutil
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +44,8 @@ class Shards:
     def load_into(self, template: dict[str, Any], process_group: Any = None) -> dict[str, Any]:
         """`template` (this rank's tensors, DTensor shards or whole ones) filled in place from the files; every rank
         of `process_group` at once, each reading only what its tensors hold."""
-        dcp.load(_nested(self.key, template), checkpoint_id=self.path, process_group=process_group)
+        with self._damage():
+            dcp.load(_nested(self.key, template), checkpoint_id=self.path, process_group=process_group)
         return template
 
     def full(self) -> dict[str, Any]:
@@ -52,10 +55,22 @@ class Shards:
         keys = {name for name in _metadata(self.path).state_dict_metadata if name.startswith(prefix)}
         if keys:
             planner = _EmptyStateDictLoadPlanner(keys=keys)
-            _load_state_dict(loaded, storage_reader=FileSystemReader(self.path), planner=planner, no_dist=True)
+            with self._damage():
+                _load_state_dict(loaded, storage_reader=FileSystemReader(self.path), planner=planner, no_dist=True)
         for part in self.key:
             loaded = loaded.get(part, {})
         return loaded
+
+    @contextmanager
+    def _damage(self) -> Iterator[None]:
+        """A shard whose bytes are damaged (its length intact, which `read` checks) is found only as it is read:
+        one line naming the checkpoint, as a damaged file is."""
+        try:
+            yield
+        except (Exception, CheckpointException) as error:
+            raise ConfigError(
+                f"{self.path}: not a readable checkpoint: a shard is damaged ({_reason(error)})"
+            ) from None
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """The shape of each tensor under `key` (a model's: by parameter name), from the metadata alone."""
@@ -109,16 +124,21 @@ def _write_error(error: BaseException, staging: Path, consequence: str) -> BaseE
     a CheckpointException (a BaseException); torch.save inside it may keep only its own RuntimeError of a write
     the file-size limit cut short. Anything else as it is."""
     shutil.rmtree(staging, ignore_errors=True)
+    if not isinstance(error, CheckpointException) and os_error_in(error) is None:
+        return error
+    return StorageError(f"cannot write {staging.with_suffix('')}: {_reason(error)}{consequence}")
+
+
+def _reason(error: BaseException) -> str:
+    """Why DCP failed, in a few words: the operating system's reason where there is one, else the first failing
+    rank's exception (a CheckpointException holds each failing rank's)."""
     failures = {rank: failure for rank, (failure, _) in getattr(error, "failures", {}).items()}
     causes = [cause for cause in map(os_error_in, [*failures.values(), error]) if cause is not None]
     if causes:
-        reason = describe(causes[0])
-    elif failures:
-        rank, failure = next(iter(sorted(failures.items())))
-        reason = f"rank {rank}: {type(failure).__name__}: {str(failure).strip().splitlines()[0]}"
-    else:
-        return error
-    return StorageError(f"cannot write {staging.with_suffix('')}: {reason}{consequence}")
+        return describe(causes[0])
+    rank, failure = next(iter(sorted(failures.items())), (None, error))
+    where = f"rank {rank}: " if rank is not None else ""
+    return f"{where}{type(failure).__name__}: {(str(failure).strip().splitlines() or [''])[0]}"
 
 
 def finish(state: dict[str, Any], path: Path, consequence: str) -> None:
