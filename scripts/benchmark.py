@@ -18,6 +18,9 @@
 (e) Against Lightning's Trainer (the `bench` extra; skipped with a note without it): throughput on the same model and
     batches, Lightning quiet (no logger, checkpoints, progress bar) and with its defaults, and a 1-epoch digits run
     from the command line, start-up to exit, each with its defaults.
+(f) Memory (scripts/benchmark_memory.py, which also runs alone with more options): each rank's peak memory for the
+    GPT at two sizes under single, ddp and fsdp, with and without activation checkpointing, through a save and a
+    resume; and the stall of a checkpoint written synchronously and in the background.
 
 Prints a table and writes the figures as JSON. Medians throughout; (a)'s ratio is the median over processes of
 each process's median ratio of back-to-back pairs, the others are ratios of medians measured in this run.
@@ -60,6 +63,10 @@ from benchmark_loops import (  # noqa: E402
     loading_epochs,
     timed,
 )
+from benchmark_memory import SIZES as MEMORY_SIZES  # noqa: E402
+from benchmark_memory import STRATEGIES  # noqa: E402
+from benchmark_memory import measure as measure_memory  # noqa: E402
+from benchmark_memory import print_report as print_memory  # noqa: E402
 from make_image_folder import DEFAULT_ROOT, write_digits  # noqa: E402
 from prepare_text import prepare_default as prepare_tokens  # noqa: E402
 
@@ -211,7 +218,9 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--precision", default="32", choices=["32", "bf16", "fp16"])
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "benchmark.json")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["loop", "startup", "ddp", "images", "lightning"])
+    parser.add_argument(
+        "--skip", nargs="*", default=[], choices=["loop", "startup", "ddp", "images", "lightning", "memory"]
+    )
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS), help="(a)'s")
     parser.add_argument("--ddp-procs", nargs="+", type=int, default=[1, 2], help="(c): parallel=ddp with these many")
     parser.add_argument(
@@ -316,6 +325,11 @@ def main() -> None:
             f"1-epoch digits run from the command line: hydraloop {runs['hydraloop_s']:.2f} s, Lightning "
             f"{runs['lightning_s']:.2f} s ({runs['ratio']:.2f}x)"
         )
+    if "memory" not in args.skip:
+        print("\n(f) memory: each rank's peak above the runtime's own, through a save and a resume")
+        memory_args = argparse.Namespace(sizes=MEMORY_SIZES, ranks=2, strategies=list(STRATEGIES), repeats=args.repeats)
+        report["memory"] = measure_memory(memory_args)
+        print_memory(report["memory"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwritten: {args.out}")

@@ -51,6 +51,8 @@ BASE = (
     "trainer.log_every_n_steps=1",
     "scheduler.warmup_steps=0",
 )
+# One GPT whose activations dominate its memory, one whose weights and optimizer state do.
+SIZES = ["4x512:32x256", "8x1024"]
 STRATEGIES = {"single": ("parallel=single",), "ddp": ("parallel=ddp",), "fsdp": ("parallel=fsdp",)}
 
 
@@ -164,12 +166,19 @@ def row_line(row: dict) -> str:
     return f"  {row['strategy']:6} GPT {row['gpt']:8} {recompute:9} MiB above the runtime's: {ranks}"
 
 
+def print_report(report: dict) -> None:
+    for row in report["rows"]:
+        print(f"{row_line(row)}  (x{row['vs_single']} single's)" if row["vs_single"] else row_line(row))
+    for stall in report["checkpoint_stall"]:
+        print(f"  checkpoint every 2 steps, written {stall['written']}: {stall['stall_s_per_checkpoint']:.3f} s each")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--sizes",
         nargs="+",
-        default=["4x512:32x256", "8x1024"],
+        default=SIZES,
         help="GPTs as LAYERSxWIDTH[:BATCHxBLOCK] (default 8x64): one whose activations dominate, one its weights",
     )
     parser.add_argument("--ranks", type=int, default=2)
@@ -179,8 +188,7 @@ def main() -> None:
     args = parser.parse_args()
     print("(f) memory: each rank's peak above the runtime's own, through a save and a resume")
     report = measure(args)
-    for row in report["rows"]:
-        print(f"{row_line(row)}  (x{row['vs_single']} single's)" if row["vs_single"] else row_line(row))
+    print_report(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

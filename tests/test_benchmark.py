@@ -20,6 +20,7 @@ def test_benchmark_reports_loop_and_startup_figures(tmp_path, train_env):
             *[
                 "--skip",
                 "ddp",
+                "memory",  # test_memory_benchmark_reports_each_ranks_peak_through_a_save_and_a_resume
                 "--out",
                 str(out),
                 "--workloads",

@@ -48,12 +48,7 @@ def link_atomic(source: Path, path: Path, consequence: str = "") -> None:
             with open(source, "rb") as original:
                 write_atomic(path, lambda file: shutil.copyfileobj(original, file), consequence)
             return
-        try:
-            os.replace(tmp, path)
-        except BaseException:
-            _remove_quietly(tmp)
-            raise
-        fsync_directory(path.parent)
+        _rename_into_place(tmp, path)
 
 
 def symlink_atomic(target: Path, path: Path, consequence: str = "") -> None:
@@ -63,12 +58,17 @@ def symlink_atomic(target: Path, path: Path, consequence: str = "") -> None:
     with storage_errors(path, consequence):
         _remove_quietly(tmp)
         os.symlink(target.name, tmp)
-        try:
-            os.replace(tmp, path)
-        except BaseException:
-            _remove_quietly(tmp)
-            raise
-        fsync_directory(path.parent)
+        _rename_into_place(tmp, path)
+
+
+def _rename_into_place(tmp: Path, path: Path) -> None:
+    """`tmp` renamed over `path`, and the rename put on disk; `tmp` removed if the rename fails."""
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
+    fsync_directory(path.parent)
 
 
 def remove(path: Path, consequence: str = "") -> None:
