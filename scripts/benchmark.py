@@ -128,7 +128,8 @@ def loop_throughput_in_processes(args) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.loop_processes):
             out = Path(tmp) / f"loop_{i}.json"
-            one_process = ["--loop-processes", "1", "--skip", "startup", "ddp", "images", "--out", str(out)]
+            others = ["startup", "ddp", "images", "lightning", "memory"]  # only (a)'s figures are read back
+            one_process = ["--loop-processes", "1", "--skip", *others, "--out", str(out)]
             one_process += ["--workloads", *args.workloads]
             options = ["--repeats", str(args.repeats), "--device", args.device, "--precision", args.precision]
             subprocess.run([sys.executable, __file__, *options, *one_process], check=True, capture_output=True)
