@@ -144,7 +144,7 @@ def test_a_missing_or_short_shard_falls_back_to_the_previous_checkpoint(
         shard.write(b"\xff" * 500)
     damaged = run_train("mode=eval", f"ckpt_path={checkpoints}/step-00000044.pt")
     assert damaged.returncode == 2, damaged.output
-    assert f"{checkpoints}/step-00000044.pt: not a readable checkpoint: a shard is damaged (" in damaged.output
+    assert f"{checkpoints}/step-00000044.pt: not a readable checkpoint: its shards cannot be read (" in damaged.output
     assert "Traceback" not in damaged.output
     # The directory last.pt links to, removed: the link is an unreadable checkpoint, said so, and the rerun falls back.
     shutil.rmtree(checkpoints / "step-00000044.pt")

@@ -69,7 +69,7 @@ class Shards:
             yield
         except (Exception, CheckpointException) as error:
             raise ConfigError(
-                f"{self.path}: not a readable checkpoint: a shard is damaged ({_reason(error)})"
+                f"{self.path}: not a readable checkpoint: its shards cannot be read ({_reason(error)})"
             ) from None
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
