@@ -85,3 +85,24 @@ def test_memory_benchmark_reports_each_ranks_peak_through_a_save_and_a_resume(tm
             )
             for rank in ("0", "1")
         }
+
+
+def test_nanogpt_benchmark_scores_a_run_as_its_own_val_loss(tmp_path, train_env):
+    """(g)'s scorer, which also scores nanoGPT's checkpoints, gives hydraloop's run its logged whole-validation loss:
+    both sides are measured the same way. (nanoGPT itself is not shipped; its side runs where a checkout is given.)"""
+    out = tmp_path / "nanogpt.json"
+    script = REPO / "scripts" / "benchmark_nanogpt.py"
+    text = REPO / "src" / "hydraloop" / "data" / "corpora" / "shakespeare.txt"
+    command = [sys.executable, str(script), "--text", str(text), "--seeds", "3", "--steps", "30", "--out", str(out)]
+    proc = subprocess.run(command, env=train_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (run,) = json.loads(out.read_text())["hydraloop"]
+    assert run["seed"] == 3 and run["val_loss"] == pytest.approx(run["logged_val_loss"], rel=1e-5)
+    assert 1.0 < run["val_loss"] < 4.2  # 30 steps: below a uniform guess over the plays' characters
+    assert "whole-validation loss after 30 steps" in proc.stdout
+
+    no_checkout = [*command[:2], "--text", str(text), "--nanogpt", str(tmp_path)]
+    proc = subprocess.run(no_checkout, env=train_env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        f"--nanogpt {tmp_path}: not a nanoGPT checkout (no train.py and model.py there)"
+    ]
