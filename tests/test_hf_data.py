@@ -1,6 +1,6 @@
 """data=hf: a csv of labelled lines (which play a line of Shakespeare is from, scripts/make_play_lines.py), tokenized
 with a tokenizer trained here, batches padded to their own longest line; a GPT-2 classifier with dropout on trains
-the same weights under ddp and accumulation as on one process; what does not fit is one line."""
+the same weights under ddp, fsdp and accumulation as on one process; what does not fit is one line."""
 
 import importlib.util
 
@@ -63,7 +63,13 @@ def single(run_train, plays):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "overrides", [["parallel=ddp", "parallel.nproc_per_node=2"], ["trainer.grad_accum_steps=4"]], ids=["ddp", "accum"]
+    "overrides",
+    [
+        ["parallel=ddp", "parallel.nproc_per_node=2"],
+        ["parallel=fsdp", "parallel.nproc_per_node=2"],
+        ["trainer.grad_accum_steps=4"],
+    ],
+    ids=["ddp", "fsdp", "accum"],
 )
 def test_padded_batches_split_any_way_train_the_single_process_weights(run_train, plays, single, overrides):
     split = run_train(*classifier(plays, *overrides))
