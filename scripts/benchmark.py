@@ -21,6 +21,8 @@
 (f) Memory (scripts/benchmark_memory.py, which also runs alone with more options): each rank's peak memory for the
     GPT at two sizes under single, ddp and fsdp, with and without activation checkpointing, through a save and a
     resume; and the stall of a checkpoint written synchronously and in the background.
+(g) nanoGPT's own CPU benchmark, the losses after 2000 steps over several seeds, is scripts/benchmark_nanogpt.py,
+    run alone: it needs tiny Shakespeare and a nanoGPT checkout (neither shipped) and about 4 minutes a seed.
 
 Prints a table and writes the figures as JSON. Medians throughout; (a)'s ratio is the median over processes of
 each process's median ratio of back-to-back pairs, the others are ratios of medians measured in this run.
