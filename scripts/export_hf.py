@@ -25,7 +25,7 @@ import torch
 from hydra.utils import instantiate
 
 from hydraloop.checkpoint import load_checkpoint
-from hydraloop.data.tokens import Codec
+from hydraloop.data.tokens import Codec, names_a_tokenizer
 from hydraloop.errors import BAD_INPUT_EXIT_CODE, ConfigError
 from hydraloop.models.hf import import_transformers
 
@@ -86,7 +86,7 @@ def _read(path: Path) -> tuple[dict, dict]:
 def _tokenizer(config: dict, transformers: Any, source: str) -> Any:
     """The data's tokenizer as a transformers one; None where the data was not text (a classifier of features)."""
     data = config.get("data") or {}
-    if "vocab" in data or "tokenizer" in data:
+    if names_a_tokenizer(data):
         return as_transformers_tokenizer(Codec(data, source), transformers)
     name_or_path = config["model"].get("name_or_path")
     if name_or_path is not None:
@@ -102,6 +102,8 @@ def as_transformers_tokenizer(codec: Codec, transformers: Any) -> Any:
     one token per character (byte), the same ids, and a decoder that joins them back without spaces."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
+    if codec.pretrained is not None:  # data=hf's: the model's own, as training loaded it
+        return codec.pretrained
     tokenizer = codec.hf
     if tokenizer is None:
         one_each = pre_tokenizers.Split(Regex(r"[\s\S]"), "isolated")

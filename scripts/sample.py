@@ -22,7 +22,7 @@ import torch
 from hydra.utils import instantiate
 
 from hydraloop.checkpoint import load_checkpoint
-from hydraloop.data.tokens import Codec
+from hydraloop.data.tokens import Codec, names_a_tokenizer
 from hydraloop.errors import BAD_INPUT_EXIT_CODE, ConfigError
 from hydraloop.models.hf import generate as hf_generate
 from hydraloop.models.hf import is_transformers_model
@@ -97,7 +97,7 @@ def load_language_model(path: Path, device: torch.device) -> tuple[torch.nn.Modu
     if not isinstance(config, dict) or "model" not in checkpoint or "model" not in config:
         raise ConfigError(f"{path}: not a hydraloop checkpoint (needs 'model' and 'config' with a 'model' section)")
     data = config.get("data") or {}
-    if "vocab" not in data and "tokenizer" not in data:
+    if not names_a_tokenizer(data):
         raise ConfigError(
             f"{path}: not a language-model checkpoint (its data config has no vocab or tokenizer; train with "
             "data=text or data=tokens)"

@@ -3,6 +3,8 @@ with a tokenizer trained here, batches padded to their own longest line; a GPT-2
 the same weights under ddp, fsdp and accumulation as on one process; what does not fit is one line."""
 
 import importlib.util
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -212,3 +214,30 @@ def test_a_token_weighted_loss_over_padded_texts_trains_the_single_process_weigh
     assert split.metrics["val/loss"] == pytest.approx(lm_single.metrics["val/loss"], rel=1e-5)
     assert split.metrics["val/ppl"] == pytest.approx(lm_single.metrics["val/ppl"], rel=1e-5)
     assert split.checkpoint()["global_step"] == lm_single.checkpoint()["global_step"] == 5
+
+
+@pytest.mark.slow
+def test_export_and_sampling_use_the_datas_tokenizer(plays, lm_single, train_env, tmp_path):
+    """data=hf's ids are its tokenizer's, not bytes: the export carries that tokenizer, padding token and all, and
+    sample.py encodes a prompt and decodes the ids with it."""
+    transformers = pytest.importorskip("transformers")
+    _, tokenizer_file = plays
+    data_tokenizer = load_tokenizer(str(tokenizer_file), "<pad>")
+    checkpoint = str(lm_single.run_dir / "checkpoints" / "last.pt")
+    out = tmp_path / "exported"
+    export = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "export_hf.py"), checkpoint, str(out)],
+        env=train_env,
+        capture_output=True,
+        text=True,
+    )
+    assert export.returncode == 0, export.stderr
+    exported = transformers.AutoTokenizer.from_pretrained(out)
+    line = "To be, or not to be: that is the question"
+    assert exported(line)["input_ids"] == data_tokenizer(line)["input_ids"]
+    assert (len(exported), exported.pad_token) == (300, "<pad>")
+
+    command = [sys.executable, str(REPO / "scripts" / "sample.py"), checkpoint, "--prompt", "To be"]
+    sample = subprocess.run([*command, "--max-new-tokens", "5"], env=train_env, capture_output=True, text=True)
+    assert sample.returncode == 0, sample.stderr
+    assert sample.stdout.startswith("To be")

@@ -289,15 +289,29 @@ class FixedWindows(RandomWindows):
         return int(mix64(_epoch_base(self.seed, self.DRAW) + key) % np.uint64(self.offsets))
 
 
+def names_a_tokenizer(data: dict[str, Any]) -> bool:
+    """Whether a checkpoint's data config says how its tokens were made: data=text, data=tokens or data=hf."""
+    return "vocab" in data or "tokenizer" in data or bool((data.get("dataset") or {}).get("tokenizer"))
+
+
 class Codec:
     """Text to token ids and back, as the tokenizer a checkpoint's data was made with (its config's `data`): data=text's
     vocabulary, or data=tokens' tokenizer (a Hugging Face one is read from the prepared folder, and must be the file
-    training used). For scripts/sample.py."""
+    training used), or data=hf's: the model's tokenizer as `data.dataset.tokenizer` names it. For scripts/sample.py and
+    scripts/export_hf.py."""
 
     def __init__(self, data: dict[str, Any], source: str) -> None:
         tokenizer = data.get("tokenizer") or {"kind": "text"}
         self.kind, self.vocab, self.hf = tokenizer.get("kind"), data.get("vocab"), None
-        if self.kind == "char":
+        self.pretrained = None  # data=hf's transformers tokenizer, padding token and all
+        hf_spec = (data.get("dataset") or {}).get("tokenizer")
+        if not data.get("tokenizer") and self.vocab is None and isinstance(hf_spec, str):
+            from hydraloop.data.hf import load_tokenizer
+
+            self.kind = "huggingface"
+            self.pretrained = load_tokenizer(hf_spec, (data.get("dataset") or {}).get("pad_token"))
+            self.hf = self.pretrained.backend_tokenizer
+        elif self.kind == "char":
             self.vocab = tokenizer["vocab"]
         elif self.kind in ("bpe", "huggingface"):
             path = Path(str(data.get("dataset", {}).get("dir"))) / tokenizer["file"]
