@@ -150,11 +150,20 @@ def test_bytes_export_as_a_tokenizer_of_one_byte_per_token():
         ({"model_type": "gpt2", "config": {"n_layers": 2}}, "model.config.n_layers: not a setting of GPT2Config"),
         ({"model_type": "gpt2", "block_size": 2048}, "data.block_size=2048: longer than the model's 1024 positions"),
         ({"name_or_path": "/nowhere/gpt"}, "not a local folder, and not in the Hugging Face cache"),
+        ({"model_type": "gpt2", "max_length": 2048}, "data.dataset.max_length=2048: longer than the model's 1024"),
+        (
+            {"model_type": "gpt2", "auto_class": "AutoModelForMaskedLM", "config": {"n_layer": 1}},
+            "model.auto_class=AutoModelForMaskedLM, model.config.n_layer=1: transformers cannot build the "
+            "model: Unrecognized configuration class",
+        ),
+        ({"name_or_path": "CONFIG_ONLY"}, "the folder has a config.json but no weights (model.safetensors"),
     ],
 )
-def test_what_it_cannot_build_is_one_line(arguments, expected):
+def test_what_it_cannot_build_is_one_line(arguments, expected, tmp_path):
     from hydraloop.models.hf import hf_model
 
+    transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2).save_pretrained(tmp_path)  # a config, no weights
+    arguments = {key: str(tmp_path) if value == "CONFIG_ONLY" else value for key, value in arguments.items()}
     with torch.device("meta"), pytest.raises(ConfigError) as error:
         hf_model(**arguments)
     assert expected in str(error.value) and "\n" not in str(error.value)

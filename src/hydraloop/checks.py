@@ -130,8 +130,9 @@ def _check_batch(cfg: Any, task: Any, batch: Any, where: str) -> None:
     the model and read the model's outputs of (tried on the meta device, which computes shapes only). What cannot
     run on the meta device is left to the ranks."""
     check_leaves(batch, where)
-    with torch.device("meta"):
-        model = instantiate(cfg.model)
+    model = check_model(cfg.model)  # what its constructor refuses is one line here too, not Hydra's traceback
+    if model is None:
+        return
     names = [name for name in optimizer_nodes(cfg.optimizer) if name]
     several = {"optimizer": names[0]} if names else {}  # the first optimizer's loss
     try:

@@ -26,10 +26,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hydraloop.errors import ConfigError, require
+from hydraloop.errors import ConfigError, first_line, require
 from hydraloop.keyed_dropout import KeyedDropout, keyed_dropout, mix_int
 
 KEYED_ATTENTION = "hydraloop_keyed"
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # what from_pretrained reads (either may be sharded)
 log = logging.getLogger(__name__)
 
 
@@ -42,6 +43,7 @@ def hf_model(
     num_labels: int | None = None,
     vocab_size: int | None = None,
     block_size: int | None = None,
+    max_length: int | None = None,
     tokenizer: str | None = None,
     pad_token: str | None = None,
     keyed_dropout: bool = True,
@@ -49,9 +51,10 @@ def hf_model(
 ) -> nn.Module:
     """The transformers model `auto_class` names, from `name_or_path` (its weights) or `model_type` (fresh). With
     fresh weights, `vocab_size` (the data's) sizes the embeddings unless `config` sets it; `num_labels` goes to the
-    config of a classifier (an auto class `...ForSequenceClassification`: its head); `block_size` (the data's) is
-    checked against the model's positions; `tokenizer` (data=hf's) against its vocabulary, and its padding token
-    becomes the config's (a GPT-2 classifier reads each row's last token before the padding)."""
+    config of a classifier (an auto class `...ForSequenceClassification`: its head); `block_size` and `max_length`
+    (the data's: data=hf truncates its texts to max_length) are checked against the model's positions; `tokenizer`
+    (data=hf's) against its vocabulary, and its padding token becomes the config's (a GPT-2 classifier reads each
+    row's last token before the padding)."""
     transformers = import_transformers()
     auto = _auto_class(transformers, auto_class)
     overrides = dict(config or {})
@@ -69,7 +72,9 @@ def hf_model(
     elif name_or_path is None and texts is not None:  # an architecture alone: embeddings for the tokenizer's tokens
         overrides.setdefault("vocab_size", len(texts))
     model_config = _config(transformers, name_or_path, model_type, overrides)
-    _check_sizes(model_config, vocab_size, block_size)
+    _check_sizes(model_config, vocab_size, {"data.block_size": block_size, "data.dataset.max_length": max_length})
+    if not fresh:
+        _check_weights(name_or_path)
     require(
         texts is None or len(texts) <= model_config.vocab_size,
         f"data.dataset.tokenizer={tokenizer}: {len(texts) if texts else 0} tokens, more than the model's vocabulary of "
@@ -79,17 +84,25 @@ def hf_model(
     if keyed_dropout:
         register_keyed_attention()
     # The launcher's check (checks.check_model) runs on the meta device: the architecture is enough, weights unread.
-    if fresh or torch.get_default_device().type == "meta":
-        model = auto.from_config(model_config, **attention)
-    else:
-        model, loading = auto.from_pretrained(
-            name_or_path,
-            config=model_config,
-            local_files_only=True,
-            ignore_mismatched_sizes=True,
-            output_loading_info=True,
-            **attention,
-        )
+    try:
+        if fresh or torch.get_default_device().type == "meta":
+            model, loading = auto.from_config(model_config, **attention), {}
+        else:
+            model, loading = auto.from_pretrained(
+                name_or_path,
+                config=model_config,
+                local_files_only=True,
+                ignore_mismatched_sizes=True,
+                output_loading_info=True,
+                **attention,
+            )
+    except (TypeError, ValueError, AssertionError) as error:  # a class or settings that do not make a model
+        given = ", ".join(f"model.config.{key}={value}" for key, value in (config or {}).items())
+        raise ConfigError(
+            f"model.auto_class={auto_class}{', ' + given if given else ''}: transformers cannot build the model: "
+            f"{first_line(error)}"
+        ) from None
+    if loading:
         fresh_keys = [*loading.get("missing_keys", []), *(key for key, *_ in loading.get("mismatched_keys", []))]
         if fresh_keys:  # a classifier's new head, say: what transformers' own warning would say
             log.info("model.name_or_path=%s: loaded all but %s, which start fresh", name_or_path, ", ".join(fresh_keys))
@@ -176,6 +189,8 @@ def _config(transformers: Any, name_or_path: str | None, model_type: str | None,
         loaded = transformers.AutoConfig.from_pretrained(name_or_path, local_files_only=True)
     except OSError:
         raise ConfigError(_not_found(name_or_path)) from None
+    except ValueError as error:  # an unknown model_type, say
+        raise ConfigError(f"model.name_or_path={name_or_path}: its config.json says: {first_line(error)}") from None
     return _with_overrides(loaded, overrides)
 
 
@@ -205,13 +220,25 @@ def _not_found(name_or_path: str) -> str:
     )
 
 
-def _check_sizes(config: Any, vocab_size: int | None, block_size: int | None) -> None:
+def _check_weights(name_or_path: str) -> None:
+    """A local folder holds weights to load: a config alone would fail in every rank, after the run started."""
+    folder = Path(name_or_path)
+    if folder.is_dir():
+        names = [f"{stem}{suffix}" for stem in WEIGHT_FILES for suffix in ("", ".index.json")]
+        require(
+            any((folder / name).is_file() for name in names),
+            f"model.name_or_path={name_or_path}: the folder has a config.json but no weights ({', '.join(WEIGHT_FILES)}"
+            "); model.from_config=true builds its architecture with fresh weights",
+        )
+
+
+def _check_sizes(config: Any, vocab_size: int | None, lengths: dict[str, int | None]) -> None:
     positions = getattr(config, "max_position_embeddings", None)
-    require(
-        block_size is None or positions is None or block_size <= positions,
-        f"data.block_size={block_size}: longer than the model's {positions} positions (max_position_embeddings in "
-        "its config)",
-    )
+    for key, length in lengths.items():
+        require(
+            length is None or positions is None or length <= positions,
+            f"{key}={length}: longer than the model's {positions} positions (max_position_embeddings in its config)",
+        )
     own_vocab = getattr(config, "vocab_size", None)
     require(
         vocab_size is None or own_vocab is None or vocab_size <= own_vocab,
