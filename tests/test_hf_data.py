@@ -153,6 +153,24 @@ def test_a_column_that_is_not_there_is_refused_before_any_rank_starts(run_train,
     assert not (tmp_path / "run").exists()
 
 
+def test_empty_cells_and_a_model_folder_without_a_tokenizer_are_one_line(plays, tmp_path):
+    _, tokenizer = plays
+    rows = "".join(f"{'' if i == 7 else 'a line'},{i % 3}\n" for i in range(20))  # row 7's text is empty
+    (tmp_path / "gaps.csv").write_text("text,label\n" + rows)
+    with pytest.raises(ConfigError, match=r"data.dataset.text_column=text: \S+ has 1 empty cell\(s\) there"):
+        load_hf_dataset(str(tmp_path / "gaps.csv"), str(tokenizer), 3, pad_token="<pad>", cache_dir=str(tmp_path))
+    transformers = pytest.importorskip("transformers")
+    transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(tmp_path / "model")  # no tokenizer files
+    with pytest.raises(ConfigError, match="model: no tokenizer there \\(none of tokenizer.json"):
+        load_tokenizer(str(tmp_path / "model"))
+
+
+def test_a_head_for_another_number_of_classes_is_refused_before_any_rank_starts(run_train, plays, tmp_path):
+    run = run_train(*classifier(plays, "model.num_labels=5"), run_dir=tmp_path / "run")
+    assert "the model gives 5 scores per sample, for data.num_classes=3 classes" in bad_input_line(run)
+    assert not (tmp_path / "run").exists()
+
+
 # --- data=hf_lm: next-token prediction over padded texts -----------------------------------------------------------
 
 

@@ -68,6 +68,10 @@ class TokenizedTexts(Dataset):
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+# What a folder save_pretrained wrote a tokenizer to holds: a fast tokenizer's file, or a slow one's vocabulary.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
+
+
 def load_hf_dataset(
     path: str,
     tokenizer: str | None,
@@ -105,6 +109,7 @@ def load_hf_dataset(
             column is None or column in train.column_names,
             f"data.dataset.{key}={column}: {path} has no such column; it has {', '.join(train.column_names)}",
         )
+    _check_no_empty_cells(train, val, columns, path)
     label_ids = _label_ids(train, val, label_column, num_classes) if label_column else None
     hf_tokenizer = load_tokenizer(tokenizer, pad_token)
     settings = [tokenizer_digest(hf_tokenizer), text_column, text_pair_column, label_column, max_length]
@@ -156,6 +161,18 @@ def _read_splits(path: str, cache: Path) -> dict[str, Any]:
             "txt file, a folder save_to_disk wrote, or a name already in the Hugging Face cache (never downloaded)"
         ) from None
     return dict(loaded) if isinstance(loaded, datasets.DatasetDict) else {"train": loaded}
+
+
+def _check_no_empty_cells(train: Any, val: Any, columns: dict[str, str | None], path: str) -> None:
+    """An empty cell (null) in a column read: the tokenizer cannot take it, and a label cannot be one."""
+    for key, column in columns.items():
+        if column is None:
+            continue
+        empty = sum(value is None for split in (train, val) for value in split[column])
+        require(
+            empty == 0,
+            f"data.dataset.{key}={column}: {path} has {empty} empty cell(s) there; fill or drop those rows",
+        )
 
 
 def _label_ids(train: Any, val: Any, column: str, num_classes: int) -> dict[Any, int] | None:
@@ -221,6 +238,13 @@ def load_tokenizer(spec: str, pad_token: str | None = None) -> Any:
             require(Path(spec).is_file(), f"data.dataset.tokenizer={spec}: no such file")
             tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=spec)
         else:
+            # transformers builds an empty tokenizer for a model folder without tokenizer files, silently
+            folder = Path(spec)
+            require(
+                not folder.is_dir() or any((folder / name).is_file() for name in TOKENIZER_FILES),
+                f"data.dataset.tokenizer={spec}: no tokenizer there (none of {', '.join(TOKENIZER_FILES)}); give a "
+                "folder that holds one (tokenizer.save_pretrained writes it), or a tokenizer.json",
+            )
             tokenizer = transformers.AutoTokenizer.from_pretrained(spec, local_files_only=True)
     except (OSError, ValueError) as error:
         raise ConfigError(
