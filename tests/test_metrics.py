@@ -72,6 +72,10 @@ def test_the_better_direction_is_the_classs():
             {"f1": {"_target_": "torchmetrics.F1Scor"}},
             "metrics.f1._target_=torchmetrics.F1Scor: no such class; closest",
         ),
+        (
+            {"f1": {"_target_": "torchmetrics.classification.MulticlasF1Score"}},
+            "no such class; closest in torchmetrics: MulticlassF1Score",
+        ),
         ({"f1": {"_target_": "torch.nn.Linear", "in_features": 1, "out_features": 1}}, "not a torchmetrics.Metric"),
         ({"f1": "F1Score"}, "metrics.f1=F1Score: must be a node with a _target_"),
     ],

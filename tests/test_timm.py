@@ -75,6 +75,8 @@ def test_timms_data_config_resolves_in_the_config():
     [
         ({"name": "resnet181"}, "model.name=resnet181: not a timm model; closest: resnet18"),
         ({"name": "resnet18", "weights_file": "/nowhere.safetensors"}, "model.weights_file=/nowhere.safetensors"),
+        ({"name": "resnet18.a1_in1kk"}, "model.name=resnet18.a1_in1kk: timm has no weights tagged 'a1_in1kk'; closest"),
+        ({"name": "resnet18", "drop_rat": 0.2}, "model.name=resnet18: .*unexpected keyword argument 'drop_rat'"),
     ],
 )
 def test_what_it_cannot_build_is_one_line(arguments, expected):

@@ -12,11 +12,12 @@ Which direction is better comes from the class's `higher_is_better` (optimized_m
 
 import difflib
 import importlib.util
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-from hydra.utils import get_class, instantiate
+from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from hydraloop.errors import ConfigError, unwrap_instantiation
@@ -74,15 +75,26 @@ def build_metrics(node: Any) -> dict[str, Any]:
 
 
 def _metric_class(key: str, target: str) -> type:
-    try:
-        return get_class(target)
-    except Exception:  # noqa: BLE001  Hydra's several-line story of a failed import
+    found = _located(target)
+    if found is None:
         import torchmetrics
 
-        names = [name for name in dir(torchmetrics) if name[:1].isupper()]
-        closest = difflib.get_close_matches(target.rsplit(".", 1)[-1], names, n=3, cutoff=0.6)
+        module = sys.modules.get(target.rpartition(".")[0])  # torchmetrics.classification, for a class typed there
+        names = {name for place in (torchmetrics, module) for name in dir(place) if name[:1].isupper()}
+        closest = difflib.get_close_matches(target.rsplit(".", 1)[-1], sorted(names), n=3, cutoff=0.6)
         hint = f"; closest in torchmetrics: {', '.join(closest)}" if closest else ""
-        raise ConfigError(f"{key}._target_={target}: no such class{hint}") from None
+        raise ConfigError(f"{key}._target_={target}: no such class{hint}")
+    return found
+
+
+def _located(target: str) -> type | None:
+    """The class `module.Name` names, or None; quietly (hydra.utils.get_class logs an error of several lines)."""
+    module_name, _, name = target.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module_name), name, None)
+    except (ImportError, ValueError):
+        return None
+    return found if isinstance(found, type) else None
 
 
 def metric_direction(node: Any, metric: str) -> str | None:
@@ -91,8 +103,7 @@ def metric_direction(node: Any, metric: str) -> str | None:
     spec = node.get(split[-1]) if node and len(split) >= 2 and split[0] == "val" else None
     if spec is None or "_target_" not in spec:
         return None
-    try:
-        higher = getattr(get_class(str(spec["_target_"])), "higher_is_better", True)
-    except Exception:  # noqa: BLE001  an unknown class: build_metrics names it in the launcher
+    found = _located(str(spec["_target_"]))  # None for an unknown class: build_metrics names it in the launcher
+    if found is None:
         return None
-    return "min" if higher is False else "max"
+    return "min" if getattr(found, "higher_is_better", True) is False else "max"

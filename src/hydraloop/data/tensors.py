@@ -11,8 +11,8 @@ cross-validation, which a file with its own validation set refuses).
 
 A table works too: a `.csv` (a header row, then numbers) or a `.parquet` file, whose column `y_key` holds the
 targets and `feature_columns` (null: every other column) the inputs, one value each (input_shape [number of
-features]); a validation set is held out as above. Inputs are floating point, or, with `integer_inputs=true`,
-integers (token ids, say, for a model that embeds them), kept as int64.
+features]); a validation set is held out as above. A table's inputs are read as real values, whole numbers too, or,
+with `integer_inputs=true`, as integers (token ids, say, for a model that embeds them), kept as int64.
 
 Anything wrong with the file is a ConfigError: one line naming the config key, the value and what was found.
 """
@@ -53,6 +53,8 @@ def load_tensors(
         arrays = read_table(Path(str(path)), where, x_key, y_key, feature_columns)
         if target_shape is not None:  # a table's "3" is a real value here, not a class label
             arrays[y_key] = arrays[y_key].double()
+        if not integer_inputs:  # nor is a feature of 3 (a count, a year) an id, unless integer_inputs says so
+            arrays[x_key] = arrays[x_key].double()
     else:
         arrays = read_arrays(Path(str(path)), where)
     x_val_key, y_val_key = f"{x_key}_val", f"{y_key}_val"

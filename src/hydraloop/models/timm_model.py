@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from hydraloop.errors import ConfigError
+from hydraloop.errors import ConfigError, first_line
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # what timm reads from a Hugging Face repo, in that order
 
@@ -31,13 +31,33 @@ def timm_model(
         closest = difflib.get_close_matches(architecture, timm.list_models(), n=3, cutoff=0.5)
         hint = f"closest: {', '.join(closest)}" if closest else "timm.list_models() names them"
         raise ConfigError(f"model.name={name}: not a timm model; {hint}")
+    tag = timm.models.split_model_name_tag(name)[1]
+    if tag:
+        tagged = timm.list_pretrained(f"{architecture}.*")
+        if name not in tagged:
+            closest = difflib.get_close_matches(name, tagged, n=3, cutoff=0.5)
+            hint = f"closest: {', '.join(closest)}" if closest else f"{architecture} has {', '.join(tagged) or 'none'}"
+            raise ConfigError(f"model.name={name}: timm has no weights tagged {tag!r}; {hint}")
     if not pretrained and weights_file is None:
-        return timm.create_model(name, num_classes=num_classes, **kwargs)
+        return _created(timm, name, num_classes=num_classes, **kwargs)
     path = Path(weights_file) if weights_file is not None else _cached_weights(timm, name)
     if not path.is_file():
         raise ConfigError(f"model.weights_file={weights_file}: no such file")
     overlay = {"file": str(path)}
-    return timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, num_classes=num_classes, **kwargs)
+    return _created(timm, name, pretrained=True, pretrained_cfg_overlay=overlay, num_classes=num_classes, **kwargs)
+
+
+def _created(timm: Any, name: str, **kwargs: Any) -> nn.Module:
+    """timm.create_model; a keyword the architecture does not take (model.drop_rat=...) is one line."""
+    try:
+        return timm.create_model(name, **kwargs)
+    except TypeError as error:
+        if "keyword argument" not in str(error):
+            raise
+        raise ConfigError(
+            f"model.name={name}: {first_line(error)} (the model's keys but name, pretrained and weights_file go to "
+            "timm.create_model)"
+        ) from None
 
 
 def import_timm() -> Any:
