@@ -233,18 +233,17 @@ def load_tokenizer(spec: str, pad_token: str | None = None) -> Any:
     from hydraloop.models.hf import import_transformers
 
     transformers = import_transformers()
+    # transformers builds an empty tokenizer for a model folder without tokenizer files, silently
+    require(
+        not Path(spec).is_dir() or any((Path(spec) / name).is_file() for name in TOKENIZER_FILES),
+        f"data.dataset.tokenizer={spec}: no tokenizer there (none of {', '.join(TOKENIZER_FILES)}); give a folder "
+        "that holds one (tokenizer.save_pretrained writes it), or a tokenizer.json",
+    )
     try:
         if spec.endswith(".json"):
             require(Path(spec).is_file(), f"data.dataset.tokenizer={spec}: no such file")
             tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=spec)
         else:
-            # transformers builds an empty tokenizer for a model folder without tokenizer files, silently
-            folder = Path(spec)
-            require(
-                not folder.is_dir() or any((folder / name).is_file() for name in TOKENIZER_FILES),
-                f"data.dataset.tokenizer={spec}: no tokenizer there (none of {', '.join(TOKENIZER_FILES)}); give a "
-                "folder that holds one (tokenizer.save_pretrained writes it), or a tokenizer.json",
-            )
             tokenizer = transformers.AutoTokenizer.from_pretrained(spec, local_files_only=True)
     except (OSError, ValueError) as error:
         raise ConfigError(
