@@ -83,7 +83,7 @@ def hydraloop_run(tokens: Path, seed: int, steps: int, work: Path, val: np.ndarr
     command += [f"data.dataset.dir={tokens}", f"seed={seed}", f"trainer.max_steps={steps}", f"hydra.run.dir={run_dir}"]
     command += [f"scheduler.warmup_steps={warmup(steps)}"]
     wall = timed_run(command, REPO, work / f"hydraloop-{seed}.log")
-    model, _ = load_language_model(run_dir / "checkpoints" / "last.pt", torch.device("cpu"))
+    model, *_ = load_language_model(run_dir / "checkpoints" / "last.pt", torch.device("cpu"))
     logged = json.loads((run_dir / "metrics.json").read_text())["val/loss"]
     scored = whole_val_loss(lambda x, y: torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()), val)
     return {"seed": seed, "val_loss": scored, "logged_val_loss": logged, "wall_s": wall}

@@ -62,7 +62,7 @@ def sample(args: argparse.Namespace) -> list[str]:
     if args.top_k < 0:
         raise ConfigError(f"--top-k={args.top_k}: must be >= 0 (0: no limit)")
     device = resolve_device(args.device)
-    model, codec = load_language_model(args.checkpoint, device)
+    model, codec, vocab_size = load_language_model(args.checkpoint, device)
     prompt = args.prompt if args.prompt is not None else codec.default_prompt()
     idx = codec.encode(prompt, where=f"--prompt={prompt!r}").to(device)
     if idx.numel() == 0:
@@ -72,17 +72,17 @@ def sample(args: argparse.Namespace) -> list[str]:
     samples = []
     for _ in range(args.num_samples):
         if is_transformers_model(model):
-            tokens = hf_generate(model, idx[None], args.max_new_tokens, args.temperature, args.top_k)
+            tokens = hf_generate(model, idx[None], args.max_new_tokens, args.temperature, args.top_k, vocab_size)
         else:
-            tokens = model.generate(
-                idx[None], args.max_new_tokens, args.temperature, top_k=args.top_k or None, generator=generator
-            )
+            options = {"top_k": args.top_k or None, "generator": generator, "vocab_size": vocab_size}
+            tokens = model.generate(idx[None], args.max_new_tokens, args.temperature, **options)
         samples.append(codec.decode(tokens[0].cpu()))
     return samples
 
 
-def load_language_model(path: Path, device: torch.device) -> tuple[torch.nn.Module, Codec]:
-    """The checkpoint's model, on `device` in eval mode, and the codec of its tokens."""
+def load_language_model(path: Path, device: torch.device) -> tuple[torch.nn.Module, Codec, int | None]:
+    """The checkpoint's model, on `device` in eval mode, the codec of its tokens, and how many ids the codec has
+    (the data's vocab_size: the model's may be padded past it, and ids there decode to nothing)."""
     if path.is_dir():  # a sharded checkpoint (parallel=fsdp's), read whole
         checkpoint: Any = load_checkpoint(path, source=str(path))
     elif not path.is_file():
@@ -110,7 +110,7 @@ def load_language_model(path: Path, device: torch.device) -> tuple[torch.nn.Modu
             "method; scripts/sample.py samples from those (model=gpt or a causal model=hf, task=language_model)"
         )
     model.load_state_dict(checkpoint["model"])
-    return model.to(device).eval(), Codec(data, str(path))
+    return model.to(device).eval(), Codec(data, str(path)), data.get("vocab_size")
 
 
 if __name__ == "__main__":

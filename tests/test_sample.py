@@ -34,12 +34,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def checkpoint(tmp_path):
     """checkpoint(level="char") -> path of a checkpoint of a tiny, untrained GPT for a small text file."""
 
-    def write(level: str = "char") -> str:
+    def write(level: str = "char", *extra: str) -> str:
         corpus = tmp_path / "corpus.txt"
         corpus.write_text(TEXT)
         register_configs()
         overrides = ["data=text", "model=gpt", f"data.dataset.path={corpus}", f"data.dataset.level={level}"]
-        overrides += ["data.block_size=16", "model.n_layer=2", "model.n_embd=32", "model.n_head=4"]
+        overrides += ["data.block_size=16", "model.n_layer=2", "model.n_embd=32", "model.n_head=4", *extra]
         with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
             cfg = compose("train", overrides=[*overrides, f"output_dir={tmp_path}", f"log_file={tmp_path}/log"])
         config = OmegaConf.to_container(cfg, resolve=True)
@@ -75,6 +75,13 @@ def test_greedy_ignores_the_seed_and_samples_differ(checkpoint, capsys):
     code, out, _ = sample(capsys, path, "--num-samples", "2", "--max-new-tokens", "30", "--top-k", "3")
     first, second = out.split("\n---------------\n")
     assert code == 0 and first != second and first.startswith("\n") and second.startswith("\n")
+
+
+def test_a_model_padded_past_the_vocabulary_samples_the_vocabulary_alone(checkpoint, capsys):
+    """As nanoGPT's GPT-2 (50304 ids for 50257 tokens): an untrained model draws the padding ids as often as any."""
+    code, out, err = sample(capsys, checkpoint("char", "model.vocab_size=512"), "--max-new-tokens", "200")
+    assert code == 0, err
+    assert set(out) <= set(TEXT) and len(out) > 200
 
 
 def test_byte_level_checkpoint(checkpoint, capsys):

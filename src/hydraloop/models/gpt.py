@@ -139,12 +139,15 @@ class GPT(nn.Module):
         temperature: float = 1.0,
         top_k: int | None = None,
         generator: torch.Generator | None = None,
+        vocab_size: int | None = None,
     ) -> Tensor:
         """Appends `max_new_tokens` tokens to each row of `idx` (B, T), each from the last block_size tokens.
 
         temperature 0 takes the most likely token (greedy); otherwise logits / temperature are sampled from, with
         `generator` (on idx's device) so that the same seed gives the same tokens. top_k keeps only the k most
-        likely tokens. Runs in eval mode (no dropout) and restores the module's mode afterwards.
+        likely tokens. `vocab_size` (the tokenizer's) draws from its ids alone, where the embeddings are padded past
+        them (nanoGPT's GPT-2: 50304 for 50257). Runs in eval mode (no dropout) and restores the module's mode
+        afterwards.
         """
         if temperature < 0:
             raise ValueError(f"temperature={temperature}: must be >= 0 (0: greedy)")
@@ -154,7 +157,7 @@ class GPT(nn.Module):
         self.eval()
         try:
             for _ in range(max_new_tokens):
-                logits = self(idx[:, -self.block_size :])[:, -1, :].float()
+                logits = self(idx[:, -self.block_size :])[:, -1, :vocab_size].float()
                 if temperature == 0:
                     next_token = logits.argmax(dim=-1, keepdim=True)
                 else:

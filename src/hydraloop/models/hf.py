@@ -296,9 +296,12 @@ def is_transformers_model(model: nn.Module) -> bool:
     return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
 
-def generate(model: nn.Module, idx: Tensor, max_new_tokens: int, temperature: float, top_k: int) -> Tensor:
+def generate(
+    model: nn.Module, idx: Tensor, max_new_tokens: int, temperature: float, top_k: int, vocab_size: int | None = None
+) -> Tensor:
     """scripts/sample.py's options through transformers' `generate`: temperature 0 is greedy, top_k 0 no limit; it
-    draws from torch's global generator (seed it first). It stops early only at the model's end-of-text token."""
+    draws from torch's global generator (seed it first), from the first `vocab_size` ids (the tokenizer's) alone. It
+    stops early only at the model's end-of-text token."""
     positions = getattr(model.config, "max_position_embeddings", None)
     require(
         positions is None or idx.shape[1] + max_new_tokens <= positions,
@@ -307,6 +310,8 @@ def generate(model: nn.Module, idx: Tensor, max_new_tokens: int, temperature: fl
     )
     config = model.config
     sampling = {"temperature": temperature, "top_k": top_k} if temperature > 0 else {}
+    if vocab_size is not None and vocab_size < config.vocab_size:  # embeddings padded past the tokenizer's ids
+        sampling["suppress_tokens"] = list(range(vocab_size, config.vocab_size))
     return model.generate(
         idx,
         attention_mask=torch.ones_like(idx),
