@@ -14,7 +14,8 @@ import pytest
 
 from conftest import REPO, bad_input_line, compose_train, max_param_diff, write_random_tokens
 from hydraloop.data.text import corpus_path
-from hydraloop.data.tokens import RandomWindows, TokenFile
+from hydraloop.data.tokens import RandomWindows, TokenFile, load_tokens
+from hydraloop.errors import ConfigError
 
 PREPARE = REPO / "scripts" / "prepare_text.py"
 GPT = (
@@ -232,6 +233,14 @@ def test_a_block_longer_than_the_val_split_is_one_line(run_train, tmp_path, trai
     assert prepare(text, tmp_path / "short", env=train_env).returncode == 0
     run = run_train(*GPT, "data=tokens", f"data.dataset.dir={tmp_path / 'short'}", run_dir=tmp_path / "run")
     assert "data.block_size=32: val.bin of" in bad_input_line(run) and not (tmp_path / "run").exists()
+
+
+def test_more_validation_windows_than_the_split_holds_is_one_line(char_tokens):
+    """Drawn with replacement, they would repeat windows to no end: 10**12 of them hung the run."""
+    val_tokens = json.loads((char_tokens / "meta.json").read_text())["tokens"]["val"]
+    load_tokens(str(char_tokens), 32, val_windows=val_tokens - 32)  # as many draws as there are windows
+    with pytest.raises(ConfigError, match=rf"data.dataset.val_windows=10000000: more than the {val_tokens - 32} "):
+        load_tokens(str(char_tokens), 32, val_windows=10_000_000)
 
 
 def test_a_bpe_corpus_trains_samples_with_its_tokenizer_and_refuses_another(run_train, tmp_path, train_env):

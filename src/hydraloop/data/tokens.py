@@ -274,7 +274,12 @@ def load_tokens(
         train = RandomWindows(train_file, block_size, vocab_size, where, count, seed)
     if val_windows is None:
         val = StridedWindows(val_file, block_size, vocab_size, where, block_size)
-    else:
+    else:  # drawn with replacement: more draws than windows would repeat them, at any cost (a typo's 10**12 hangs)
+        if val_windows > val_file.length - block_size:
+            raise ConfigError(
+                f"data.dataset.val_windows={val_windows}: more than the {val_file.length - block_size} windows val.bin "
+                f"of {where} holds; null validates on all of it (every window at stride block_size)"
+            )
         val = FixedWindows(val_file, block_size, vocab_size, where, val_windows, seed)
     return train, val
 
@@ -316,7 +321,8 @@ class Codec:
         elif self.kind in ("bpe", "huggingface"):
             path = Path(str(data.get("dataset", {}).get("dir"))) / tokenizer["file"]
             if not path.is_file():
-                raise ConfigError(f"{source}: its tokenizer, {path}, is gone (the folder training read)")
+                relative = "" if path.is_absolute() else ", a path relative to where training ran: run from there"
+                raise ConfigError(f"{source}: its tokenizer, {path}, is gone (the folder training read{relative})")
             if hashlib.sha256(path.read_bytes()).hexdigest() != tokenizer["sha256"]:
                 raise ConfigError(f"{source}: {path} is not the tokenizer it was trained with (prepared again since?)")
             from tokenizers import Tokenizer
