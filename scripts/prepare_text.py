@@ -32,6 +32,7 @@ import os
 import shutil
 import sys
 import tempfile
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -90,6 +91,8 @@ def line_batches(files: list[Path], progress: tqdm | None = None, binary: bool =
                 raise ConfigError(
                     f"SOURCE {file}: not UTF-8 text ({error.reason}); --tokenizer byte reads any file"
                 ) from None
+            except (EOFError, gzip.BadGzipFile, zlib.error) as error:  # a .gz cut short, or not gzip at all
+                raise ConfigError(f"SOURCE {file}: not a whole gzip file ({error})") from None
             if batch:
                 yield batch
                 if progress is not None:

@@ -2,6 +2,7 @@
 trains on the same tokens; random windows are exact under ddp, fsdp, accumulation and resume; a fixed validation
 draw is the same under 1 and 2 ranks; memory stays flat in the corpus size; bad files are one line."""
 
+import gzip
 import json
 import math
 import pickle
@@ -110,6 +111,17 @@ def test_byte_tokens_are_any_files_bytes_and_a_half_made_folder_is_made_again(tr
     (out / "val.bin").unlink()  # a folder left half made: the same command makes it again
     again = prepare(latin1, out, "--tokenizer", "byte", env=train_env)
     assert again.returncode == 0 and "up to date" not in again.stdout and (out / "val.bin").is_file()
+
+
+def test_a_gzip_file_cut_short_is_one_line_and_nothing_written(train_env, tmp_path):
+    cut = tmp_path / "cut.txt.gz"
+    cut.write_bytes(gzip.compress(corpus_path(None).read_bytes())[:50_000])
+    done = prepare(cut, tmp_path / "out", env=train_env)
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == (
+        f"prepare_text.py: error: SOURCE {cut}: not a whole gzip file (Compressed file ended before the "
+        "end-of-stream marker was reached)"
+    )
+    assert not (tmp_path / "out").exists()
 
 
 def test_random_windows_are_a_function_of_seed_epoch_and_index(char_tokens):
