@@ -189,7 +189,8 @@ def test_resuming_on_another_vocabulary_is_refused(run_train, tiny_single, tmp_p
     other.write_text("a different text, with its own characters: xyz!\n" * 200)
     ckpt = tiny_single.run_dir / "checkpoints" / "last.pt"
     line = bad_input_line(run_train(*TINY, f"data.dataset.path={other}", f"ckpt_path={ckpt}", "model.vocab_size=73"))
-    assert f"ckpt_path={ckpt}: was trained on another vocabulary (73 characters) than data.vocab" in line
+    assert f"ckpt_path={ckpt}: was trained on tokens of another vocabulary (73 characters, here 21) than " in line
+    assert f"than data.dataset.path={other}, data.dataset.level=char gives (char)" in line
 
 
 def test_mfu_is_the_models_flops_over_the_peak(train_in_process):

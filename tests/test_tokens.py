@@ -53,6 +53,10 @@ def test_strided_token_files_train_what_data_text_trains_on_the_same_tokens(run_
     assert max_param_diff(tokens.checkpoint()["model"], text.checkpoint()["model"]) == 0
     assert tokens.metrics["val/loss"] == text.metrics["val/loss"]
     assert tokens.checkpoint()["config"]["data"]["tokenizer"]["vocab"] == text.checkpoint()["config"]["data"]["vocab"]
+    # The same ids either way: a checkpoint of one resumes on the other (data=text's evaluation, here).
+    evaluated = run_train(*GPT, "data=text", "mode=eval", f"ckpt_path={tokens.run_dir / 'checkpoints' / 'last.pt'}")
+    assert evaluated.returncode == 0, evaluated.output
+    assert evaluated.metrics["val/loss"] == pytest.approx(text.metrics["val/loss"], rel=1e-6)
 
 
 def test_a_nanogpt_folder_with_its_meta_pkl_trains_as_the_same_tokens_with_meta_json(run_train, char_tokens, tmp_path):

@@ -64,6 +64,19 @@ def checkpoint_to_resume(cfg: Any, report: bool = False) -> str | None:
     return str(own[0]) if own else cfg.ckpt_path
 
 
+SOURCES = ("path", "dir", "level")  # the data keys that say where a text's tokens come from
+
+
+def token_maker(data: dict) -> dict | None:
+    """What made a data config's token ids, alike for data=text and data=tokens (the same characters give the same
+    ids either way): data=tokens' tokenizer, or data=text's characters (its vocab; null: bytes). None: not text."""
+    if data.get("tokenizer"):
+        return data["tokenizer"]
+    if "vocab" in data:
+        return {"kind": "char", "vocab": data["vocab"]} if data["vocab"] is not None else {"kind": "byte"}
+    return None
+
+
 def check_resumable(path: str | Path, cfg: Any) -> None:
     """Fail before any process starts if the checkpoint does not fit the configured model (and, to resume
     training, optimizer).
@@ -82,20 +95,17 @@ def check_resumable(path: str | Path, cfg: Any) -> None:
         model_state(checkpoint, cfg.ckpt_weights, source)  # it holds the weights asked for
     if cfg.mode == "train":
         _check_optimizers(checkpoint, cfg, source, hint)
-    saved_vocab = checkpoint.get("config", {}).get("data", {}).get("vocab")
-    if saved_vocab is not None and cfg.data.get("vocab") != saved_vocab:
-        raise ConfigError(
-            f"{source}: was trained on another vocabulary ({len(saved_vocab)} characters) than data.vocab, read from "
-            f"data.dataset.path={cfg.data.dataset.get('path')} ({len(cfg.data.get('vocab') or '')}): the token ids "
-            f"would mean other characters{hint}"
-        )
-    saved_tokenizer = checkpoint.get("config", {}).get("data", {}).get("tokenizer")
-    tokenizer = OmegaConf.to_container(cfg.data, resolve=True).get("tokenizer")
+    saved_tokenizer = token_maker(checkpoint.get("config", {}).get("data", {}))
+    tokenizer = token_maker(OmegaConf.to_container(cfg.data, resolve=True))
     if saved_tokenizer is not None and tokenizer != saved_tokenizer:
         kinds = (saved_tokenizer.get("kind"), (tokenizer or {}).get("kind"))
         what = f"another {kinds[0]} tokenizer" if kinds[0] == kinds[1] else f"another tokenizer ({kinds[0]})"
+        if kinds == ("char", "char"):
+            what = f"another vocabulary ({len(saved_tokenizer['vocab'])} characters, here {len(tokenizer['vocab'])})"
+        given = [key for key in SOURCES if key in cfg.data.dataset]
+        read_from = ", ".join(f"data.dataset.{key}={cfg.data.dataset[key]}" for key in given)
         raise ConfigError(
-            f"{source}: was trained on tokens of {what} than data.dataset.dir={cfg.data.dataset.get('dir')}'s "
+            f"{source}: was trained on tokens of {what} than {read_from or 'this data'} gives "
             f"({kinds[1]}): the token ids would mean other text{hint}"
         )
     done, max_steps = checkpoint["global_step"], cfg.trainer.max_steps
