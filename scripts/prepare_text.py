@@ -208,13 +208,17 @@ def made_from_of(out: Path) -> dict | None:
 
 
 def is_complete(out: Path, made_from: dict) -> bool:
-    """OUT was made from `made_from`, and its token files are all there, as long as meta.json says."""
+    """OUT was made from `made_from`, and its token files are all there, as long as meta.json says, with the
+    tokenizer file it names."""
     try:
         meta = json.loads((out / "meta.json").read_text())
         dtype = np.dtype(meta["dtype"])
         sizes = {split: (out / f"{split}.bin").stat().st_size for split in ("train", "val")}
         counted = {split: meta["tokens"][split] * dtype.itemsize for split in ("train", "val")}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+    tokenizer_file = (meta.get("tokenizer") or {}).get("file")
+    if tokenizer_file is not None and not (out / tokenizer_file).is_file():
         return False
     return meta.get("made_from") == made_from and sizes == counted
 

@@ -219,6 +219,8 @@ def spoiled(folder, tmp_path, how: str):
         (copy / "meta.json").write_text("[]")
     elif how == "a tokenizer name":
         (copy / "meta.json").write_text(json.dumps({**meta, "tokenizer": "char"}))
+    elif how == "a lost tokenizer":  # a BPE folder whose tokenizer.json is gone
+        (copy / "meta.json").write_text(json.dumps({**meta, "tokenizer": {"kind": "bpe", "file": "tokenizer.json"}}))
     elif how == "other files":
         (copy / "meta.json").write_text(json.dumps({**meta, "tokens": {**meta["tokens"], "val": 5}}))
     return copy
@@ -232,6 +234,7 @@ SPOILED = [
     ("other files", "val.bin holds 41914 tokens, meta.json says 5"),
     ("a list", "meta.json holds list, not an object of dtype, vocab_size, tokenizer"),
     ("a tokenizer name", "meta.json has tokenizer='char'; must be an object with a kind"),
+    ("a lost tokenizer", "meta.json names the tokenizer tokenizer.json, which is not there (prepare the folder again)"),
 ]
 
 

@@ -96,6 +96,9 @@ def _read_meta(folder: str, name: str, stamp: int) -> dict[str, Any]:
     dtype, vocab_size, tokenizer = meta.get("dtype"), meta.get("vocab_size"), meta.get("tokenizer")
     if not isinstance(tokenizer, dict) or not isinstance(tokenizer.get("kind"), str):
         raise ConfigError(f"{where}: {META} has tokenizer={tokenizer!r}; must be an object with a kind (char, ...)")
+    named = tokenizer.get("file")  # a BPE's or Hugging Face tokenizer, which sampling and exports decode with
+    if named is not None and not (Path(folder) / str(named)).is_file():
+        raise ConfigError(f"{where}: {META} names the tokenizer {named}, which is not there (prepare the folder again)")
     if not isinstance(meta.get("tokens", {}), dict):
         raise ConfigError(f"{where}: {META} has tokens={meta['tokens']!r}; must be an object of train and val counts")
     if dtype not in DTYPES:
