@@ -31,6 +31,7 @@ ROWS = [
     (["~trainer"], "~trainer: trainer is a key every run reads"),
     (["-m", "seed=range(0,0)"], "seed=range(0,0): the sweep has no value"),
     (["data=synthetic", "data.input_shape=[0]"], "data.input_shape=[0]: must be positive sizes"),
+    (["data=text", "data.block_size=-3"], "data.block_size=-3: must be positive"),  # the key given, not input_shape
     (["parallel=ddp", "parallel.timeout_s=0"], "parallel.timeout_s=0.0: must be a positive number of seconds"),
     # Every job of a sweep, before the first runs.
     (["-m", "optimizer.lr=0.1,abc,0.01"], "optimizer.lr=abc: must be a positive finite number (in the sweep's job"),

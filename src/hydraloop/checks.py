@@ -171,6 +171,8 @@ def check_config(cfg: Any, world_size: int) -> None:
     require(cfg.seed >= 0, f"seed={cfg.seed}: must be non-negative")
     batch_size = cfg.data.batch_size
     require(batch_size > 0, f"data.batch_size={batch_size}: must be positive")
+    block_size = cfg.data.get("block_size")
+    require(block_size is None or block_size > 0, f"data.block_size={block_size}: must be positive")
     shape = list(cfg.data.input_shape)
     sized_by = " (data.image_size sets the last two)" if "image_size" in cfg.data else ""
     require(all(size > 0 for size in shape), f"data.input_shape={shape}: must be positive sizes{sized_by}")
