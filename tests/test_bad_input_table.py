@@ -54,7 +54,7 @@ ROWS = [
     (["logger=wandb", "logger.wandb.mode=offlin"], "logger.wandb.mode=offlin: must be one of online, offline"),
     # A Hugging Face model: a key its config lacks (a +, since model.config starts empty), a folder that is not there.
     (["model=hf", "model.config.n_layer=2"], "a key it lacks is added with a +: +model.config.n_layer=..."),
-    (["model=hf", "model.name_or_path=/nowhere/gpt"], "not a local folder, and not in the Hugging Face cache"),
+    (["model=hf", "model.name_or_path=someone/no-gpt"], "not a local folder, and not in the Hugging Face cache"),
     # What only a rank used to find, after the config dump: now the launcher, before any rank starts.
     (["parallel=ddp", "data.batch_size=2048"], "data.batch_size=2048: more than the training set's 1438 samples"),
     (["parallel=ddp", "data.dataset.val_fraction=1.5"], "data.dataset.val_fraction=1.5: must be between 0 and 1"),

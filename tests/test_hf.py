@@ -149,7 +149,8 @@ def test_bytes_export_as_a_tokenizer_of_one_byte_per_token():
         ({}, "give a folder or cached name, or a model_type"),
         ({"model_type": "gpt2", "config": {"n_layers": 2}}, "model.config.n_layers: not a setting of GPT2Config"),
         ({"model_type": "gpt2", "block_size": 2048}, "data.block_size=2048: longer than the model's 1024 positions"),
-        ({"name_or_path": "/nowhere/gpt"}, "not a local folder, and not in the Hugging Face cache"),
+        ({"name_or_path": "someone/no-such-gpt"}, "not a local folder, and not in the Hugging Face cache"),
+        ({"name_or_path": "/nowhere/gpt"}, "model.name_or_path=/nowhere/gpt: no such folder"),
         ({"model_type": "gpt2", "max_length": 2048}, "data.dataset.max_length=2048: longer than the model's 1024"),
         (
             {"model_type": "gpt2", "auto_class": "AutoModelForMaskedLM", "config": {"n_layer": 1}},

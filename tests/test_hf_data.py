@@ -136,7 +136,8 @@ def test_the_model_pads_with_the_tokenizers_padding_token(plays):
         ({"pad_token": "<nope>"}, "data.dataset.pad_token=<nope>: not a token of"),
         ({"path": "/nowhere/lines.csv"}, "data.dataset.path=/nowhere/lines.csv: no such file"),
         ({"path": "someone/no-such-set"}, "data.dataset.path=someone/no-such-set: cannot be read as a data set"),
-        ({"tokenizer": "/nowhere/tok"}, "data.dataset.tokenizer=/nowhere/tok: no tokenizer there"),
+        ({"tokenizer": "/nowhere/tok"}, "data.dataset.tokenizer=/nowhere/tok: no such folder or file"),
+        ({"tokenizer": "someone/no-such-tok"}, "data.dataset.tokenizer=someone/no-such-tok: no tokenizer there"),
     ],
 )
 def test_what_does_not_fit_is_one_line(plays, tmp_path, arguments, expected):

@@ -230,9 +230,13 @@ def _tokenized(
 def load_tokenizer(spec: str, pad_token: str | None = None) -> Any:
     """The transformers tokenizer in a folder or cache entry `spec`, or in a tokenizer.json; with `pad_token` as its
     padding token. One without one is one line, saying how to set it."""
-    from hydraloop.models.hf import import_transformers
+    from hydraloop.models.hf import import_transformers, is_local_path
 
     transformers = import_transformers()
+    require(
+        Path(spec).exists() or not is_local_path(spec),
+        f"data.dataset.tokenizer={spec}: no such folder or file (data=hf's default is model.name_or_path)",
+    )
     # transformers builds an empty tokenizer for a model folder without tokenizer files, silently
     require(
         not Path(spec).is_dir() or any((Path(spec) / name).is_file() for name in TOKENIZER_FILES),

@@ -213,11 +213,18 @@ def _not_found(name_or_path: str) -> str:
 
     if Path(name_or_path).exists():
         return f"model.name_or_path={name_or_path}: the folder has no config.json (a folder save_pretrained wrote has)"
+    if is_local_path(name_or_path):
+        return f"model.name_or_path={name_or_path}: no such folder (a folder save_pretrained wrote, or a cached name)"
     return (
         f"model.name_or_path={name_or_path}: not a local folder, and not in the Hugging Face cache ({HF_HUB_CACHE}); "
         f"hydraloop never downloads at run time: where there is a network, `hf download {name_or_path}` fills that "
         "cache (copy it here, or point HF_HOME at a copy), or save_pretrained writes a folder to give instead"
     )
+
+
+def is_local_path(name: str) -> bool:
+    """A name that can only be a path, never a Hugging Face repo id (`gpt2`, `org/name`)."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name
 
 
 def _check_weights(name_or_path: str) -> None:
