@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from hydraloop.errors import require
+from hydraloop.errors import ConfigError, require
 from hydraloop.tasks.base import Task, count, logits, misfit, task_name
 
 
@@ -32,11 +32,11 @@ class Classification(Task):
         outputs = logits(outputs, self)
         # More scores than classes would train silently (fewer fail on the device); checked on the launcher's trial
         # batch too, so a model built for another number of classes is one line before any rank starts.
-        require(
-            outputs.dim() != 2 or outputs.shape[1] == self.num_classes,
-            f"the model gives {outputs.shape[-1]} scores per sample, for data.num_classes={self.num_classes} classes "
-            "(a classifier's head: model.num_labels, model.num_classes or its config's, where set by hand)",
-        )
+        if outputs.dim() == 2 and outputs.shape[1] != self.num_classes:  # no message built on the hot path
+            raise ConfigError(
+                f"the model gives {outputs.shape[1]} scores per sample, for data.num_classes={self.num_classes} "
+                "classes (a classifier's head: model.num_labels, model.num_classes or its config's, where set by hand)"
+            )
         return F.cross_entropy(outputs, targets, label_smoothing=self.label_smoothing)
 
     def statistics(self, outputs: Any, targets: Tensor) -> Tensor:
