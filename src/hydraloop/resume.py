@@ -21,6 +21,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from hydraloop.arguments import shown as shown_value
 from hydraloop.checkpoint import TrainState, load_checkpoint, of_each, restore_rng_state, step_checkpoints
+from hydraloop.data.tokens import token_maker
 from hydraloop.errors import ConfigError
 from hydraloop.optim import GROUPING_KEYS, config_key, group_sizes, optimizer_nodes
 from hydraloop.parallel.single import SingleDevice
@@ -65,16 +66,6 @@ def checkpoint_to_resume(cfg: Any, report: bool = False) -> str | None:
 
 
 SOURCES = ("path", "dir", "level")  # the data keys that say where a text's tokens come from
-
-
-def token_maker(data: dict) -> dict | None:
-    """What made a data config's token ids, alike for data=text and data=tokens (the same characters give the same
-    ids either way): data=tokens' tokenizer, or data=text's characters (its vocab; null: bytes). None: not text."""
-    if data.get("tokenizer"):
-        return data["tokenizer"]
-    if "vocab" in data:
-        return {"kind": "char", "vocab": data["vocab"]} if data["vocab"] is not None else {"kind": "byte"}
-    return None
 
 
 def check_resumable(path: str | Path, cfg: Any) -> None:

@@ -297,9 +297,19 @@ class FixedWindows(RandomWindows):
         return int(mix64(_epoch_base(self.seed, self.DRAW) + key) % np.uint64(self.offsets))
 
 
+def token_maker(data: dict[str, Any]) -> dict | None:
+    """What made a data config's token ids, alike for data=text and data=tokens (the same characters give the same
+    ids either way): data=tokens' tokenizer, or data=text's characters (its vocab; null: bytes). None: not text."""
+    if data.get("tokenizer"):
+        return data["tokenizer"]
+    if "vocab" in data:
+        return {"kind": "char", "vocab": data["vocab"]} if data["vocab"] is not None else {"kind": "byte"}
+    return None
+
+
 def names_a_tokenizer(data: dict[str, Any]) -> bool:
     """Whether a checkpoint's data config says how its tokens were made: data=text, data=tokens or data=hf."""
-    return "vocab" in data or "tokenizer" in data or bool((data.get("dataset") or {}).get("tokenizer"))
+    return token_maker(data) is not None or "tokenizer" in data or bool((data.get("dataset") or {}).get("tokenizer"))
 
 
 class Codec:
