@@ -188,8 +188,10 @@ def test_a_csv_or_parquet_table_by_column_names(tmp_path):
         str(tmp_path / "words.csv"), y_key="label"
     )
     (tmp_path / "counts.csv").write_text("a,b,label\n" + "".join(f"{i},{i % 3},{i % 2}\n" for i in range(10)))
-    counts, _ = load_tensors(str(tmp_path / "counts.csv"), input_shape=[2], num_classes=2, y_key="label")
+    counts, counts_val = load_tensors(str(tmp_path / "counts.csv"), input_shape=[2], num_classes=2, y_key="label")
     assert counts.tensors[0].is_floating_point()  # whole numbers, yet features for a model of real inputs
+    rows = sorted(map(tuple, torch.cat([counts.tensors[0], counts_val.tensors[0]]).tolist()))
+    assert rows == [(float(i), float(i % 3)) for i in range(10)]  # the table's values, each once
     ids, _ = load_tensors(str(tmp_path / "counts.csv"), [2], 2, y_key="label", integer_inputs=True)
     assert ids.tensors[0].dtype == torch.int64
 
