@@ -1,14 +1,15 @@
-"""Generate text from a language-model checkpoint (model=gpt, or model=hf's causal LMs; data=text or data=tokens),
-as nanoGPT's sample.py does.
+"""Generate text from a language-model checkpoint (model=gpt, or model=hf's causal LMs; data=text, data=tokens or
+data=hf_lm), as nanoGPT's sample.py does.
 
     python scripts/sample.py outputs/DATE/TIME/checkpoints/best.pt --prompt "ROMEO:" --max-new-tokens 500
 
 Rebuilds the model from the checkpoint's own config (`config.model`, with hydra.utils.instantiate), loads its
 weights and decodes with the vocabulary stored in its config (`config.data.vocab`, null for bytes), or with
 data=tokens' tokenizer (`config.data.tokenizer`: a BPE's tokenizer.json is read from the prepared folder, and must
-be the file training used), so the text comes back exactly as training encoded it. The same checkpoint, prompt,
-settings, seed and device give the same text. Bad input (no such file, not a language-model checkpoint, a prompt
-character outside the vocabulary) is one line on stderr and exit code 2.
+be the file training used), or data=hf_lm's (`config.data.dataset.tokenizer`), so the text comes back exactly as
+training encoded it. Only the tokenizer's ids are drawn, where the model's vocabulary is padded past them. The same
+checkpoint, prompt, settings, seed and device give the same text. Bad input (no such file, not a language-model
+checkpoint, a prompt character outside the vocabulary) is one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def load_language_model(path: Path, device: torch.device) -> tuple[torch.nn.Modu
     if not names_a_tokenizer(data):
         raise ConfigError(
             f"{path}: not a language-model checkpoint (its data config has no vocab or tokenizer; train with "
-            "data=text or data=tokens)"
+            "data=text, data=tokens or data=hf_lm)"
         )
     model = instantiate(config["model"])
     if not callable(getattr(model, "generate", None)):

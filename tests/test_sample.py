@@ -114,7 +114,7 @@ def test_not_a_language_model_checkpoint(tmp_path, capsys):
     torch.save({"model": {}, "config": {"model": {"_target_": "x"}, "data": {"num_classes": 10}}}, classifier)
     assert sample(capsys, str(classifier))[2] == (
         f"sample.py: {classifier}: not a language-model checkpoint "
-        "(its data config has no vocab or tokenizer; train with data=text or data=tokens)\n"
+        "(its data config has no vocab or tokenizer; train with data=text, data=tokens or data=hf_lm)\n"
     )
     assert sample(capsys, str(tmp_path / "none.pt"))[2] == f"sample.py: {tmp_path / 'none.pt'}: no such file\n"
     garbage = tmp_path / "garbage.pt"
