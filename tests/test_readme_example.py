@@ -1,6 +1,6 @@
-"""The README's worked example (a model and a data set, one .py and one .yaml each) runs as printed.
+"""docs/make-it-yours.md's worked examples (a model and a data set, one .py and one .yaml each) run as printed.
 
-The files are cut out of README.md and written into a copy of src/ and conf/: nothing else is edited.
+The files are cut out of the page and written into a copy of src/ and conf/: nothing else is edited.
 """
 
 import importlib.util
@@ -26,7 +26,7 @@ PATH = re.compile(r"`((?:src|conf)/[\w/]+\.(?:py|yaml))`")
 
 def readme_files() -> dict[str, str]:
     """Each python or yaml block whose lead-in text (since the previous block) names a src/ or conf/ file."""
-    text, files, previous_end = (REPO / "README.md").read_text(), {}, 0
+    text, files, previous_end = (REPO / "docs" / "make-it-yours.md").read_text(), {}, 0
     for block in BLOCK.finditer(text):
         named = PATH.findall(text[previous_end : block.start()])
         if block.group(1) in ("python", "yaml") and named:

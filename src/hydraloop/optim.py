@@ -139,7 +139,7 @@ def _check_part(name: str, sub: Any, model: nn.Module, claimed: dict[str, str]) 
     require(
         OmegaConf.is_dict(sub) and "_target_" in sub,
         f"{key}={sub}: not an optimizer; with several, each is a node optimizer.<name> with a _target_ and the "
-        "modules it trains (README: Several optimizers)",
+        "modules it trains (docs/optimizers-and-callbacks.md)",
     )
     modules = sub.get("modules")
     require(

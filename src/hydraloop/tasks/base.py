@@ -64,9 +64,9 @@ class Task:
 
     def optimizer_steps(self, step: int, optimizers: list[str]) -> list[str]:
         """With several optimizers: those that step at optimizer step `step` (counted from 0), in order, each with a
-        pass of its own over the batch, whose loss is `training_loss(model, batch, optimizer=name)` (README: Several
-        optimizers). Here, every optimizer, in the config's order; a GAN's critic steps every time, its generator
-        every n-th step, say."""
+        pass of its own over the batch, whose loss is `training_loss(model, batch, optimizer=name)`
+        (docs/optimizers-and-callbacks.md). Here, every optimizer, in the config's order; a GAN's critic steps every
+        time, its generator every n-th step, say."""
         return optimizers
 
     def validation_statistics(self, model: Any, batch: Any) -> Tensor:
@@ -94,14 +94,13 @@ class Task:
             if self.target_key not in batch:
                 raise ConfigError(
                     f"the batch is a dict of {', '.join(map(repr, batch))}, without {self.target_key!r}, where "
-                    f"{type(self).__name__} reads its targets (a task of your own can read others: README, Your own "
-                    "objective)"
+                    f"{type(self).__name__} reads its targets (a task of your own can read others, or set target_key: "
+                    "docs/make-it-yours.md)"
                 )
             return {key: value for key, value in batch.items() if key != self.target_key}, batch[self.target_key]
         raise ConfigError(
             f"the batch is a {type(batch).__name__}; {type(self).__name__} takes (inputs, targets), (x1, x2, ..., "
-            f"targets) or a dict with {self.target_key!r} (a task of your own takes anything: README, Your own "
-            "objective)"
+            f"targets) or a dict with {self.target_key!r} (a task of your own takes anything: docs/make-it-yours.md)"
         )
 
     def loss(self, outputs: Any, targets: Tensor) -> Tensor:

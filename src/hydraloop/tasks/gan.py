@@ -1,4 +1,4 @@
-"""Adversarial training with two optimizers (README: Several optimizers): the discriminator steps first, on real
+"""Adversarial training with two optimizers (docs/optimizers-and-callbacks.md): the discriminator steps first, on real
 samples against the generator's (detached), then the generator, to make the discriminator call its samples real
 (the non-saturating loss of Goodfellow et al. 2014). `n_critic`: the discriminator's updates per generator update.
 
