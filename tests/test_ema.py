@@ -1,6 +1,8 @@
 """callbacks=[ema] through the real command line: the average is the hand-computed one of the saved weights, it is
 validated as val/ema/<metric>, chooses best.pt, evaluates with ckpt_weights=ema, and is the same under ddp, fsdp,
-accumulation and a resume under another strategy (with parameter groups, which must survive that resume too)."""
+accumulation and a resume under another strategy (with parameter groups, which must survive that resume too); a
+model with tied weights is validated, evaluated and loaded for prediction with its whole average, under fsdp too,
+which keeps validation's gathered weights with reshard_after_forward=false."""
 
 import csv
 
@@ -9,6 +11,8 @@ import torch
 from hydra.utils import instantiate
 
 from conftest import bad_input_line, compose_train, max_param_diff
+from hydraloop.parallel.single import SingleDevice
+from hydraloop.resume import load_weights
 from hydraloop.seeding import seed_everything
 
 TOLERANCE = 1e-5  # as for DDP and FSDP's weights: per-rank mean gradients against one mean
@@ -130,3 +134,75 @@ def test_a_step_skipped_for_a_non_finite_loss_does_not_move_the_average(run_trai
     assert [checkpoint["callbacks"]["ema"]["updates"] for checkpoint in steps] == [1, 2, 2, 3, 4]
     assert max_param_diff(steps[2]["model"], steps[1]["model"]) == 0  # the skipped step: no update...
     assert max_param_diff(averaged(steps[2]), averaged(steps[1])) == 0  # ...and no average of it
+
+
+# A tiny Hugging Face GPT-2 on the bundled characters: its output layer is its input embeddings (tied, as in every
+# transformers causal language model), one parameter that the average holds once, under its first name.
+TIED = (
+    "data=text",
+    "data.block_size=32",
+    "data.batch_size=12",
+    "model=hf",
+    "model.model_type=gpt2",
+    "+model.config.n_layer=2",
+    "+model.config.n_embd=32",
+    "+model.config.n_head=2",
+    "+model.config.n_positions=32",
+    "task=language_model",
+    "optimizer=sgd",
+    "optimizer.lr=0.5",
+    "callbacks=[ema]",
+    "callbacks.ema.decay=0.8",
+    "trainer.max_steps=8",
+    "trainer.limit_val_batches=4",
+    "logger=none",
+)
+
+
+@pytest.fixture(scope="module")
+def tied_single(run_train):
+    run = run_train(*TIED)
+    assert run.returncode == 0, run.output
+    return run
+
+
+def test_a_tied_models_average_is_evaluated_with_its_tied_weight_averaged(train_in_process, tied_single):
+    checkpoint = tied_single.checkpoint()
+    assert "lm_head.weight" in checkpoint["model"] and "lm_head.weight" not in averaged(checkpoint)
+    last = tied_single.run_dir / "checkpoints" / "last.pt"
+    evaluated, _ = train_in_process(*TIED, "mode=eval", f"ckpt_path={last}", "ckpt_weights=ema")
+    assert evaluated["val/loss"] == pytest.approx(tied_single.metrics["val/ema/loss"], rel=1e-9)
+
+    # mode=predict loads the weights as mode=eval does (its next tokens, of a model this young, are the same either
+    # way): the model training validated as the average, its weights written in place, the tied layer's too.
+    expected = instantiate(checkpoint["config"]["model"])
+    expected.load_state_dict(checkpoint["model"])
+    with torch.no_grad():
+        for name, average in averaged(checkpoint).items():
+            expected.get_parameter(name).copy_(average)
+    loaded = instantiate(checkpoint["config"]["model"])
+    load_weights(last, SingleDevice("cpu"), loaded, "ema")
+    assert max_param_diff(loaded.state_dict(), expected.state_dict()) == 0
+
+
+@pytest.mark.slow
+def test_under_fsdp_a_tied_models_average_is_validated_and_evaluated_as_on_one_process(run_train, tied_single):
+    # reshard_after_forward=false: a validation's forward leaves the units gathered, and the next forward reads the
+    # gathered copies. Validations mid-run without a checkpoint after them (whose state_dict would reshard): were the
+    # average left gathered after one, the next steps would train it, and val/loss would differ too.
+    kept_gathered = run_train(
+        *TIED,
+        "parallel=fsdp",
+        "parallel.reshard_after_forward=false",
+        "trainer.val_every_n_steps=3",
+        "trainer.save_checkpoints=false",
+    )
+    assert kept_gathered.returncode == 0, kept_gathered.output
+    for name in ("val/loss", "val/ema/loss", "val/ema/acc"):
+        assert kept_gathered.metrics[name] == pytest.approx(tied_single.metrics[name], rel=1e-5), name
+    assert tied_single.metrics["val/ema/loss"] != pytest.approx(tied_single.metrics["val/loss"], rel=1e-4)
+
+    last = f"ckpt_path={tied_single.run_dir / 'checkpoints' / 'last.pt'}"
+    evaluated = run_train(*TIED, "parallel=fsdp", "mode=eval", last, "ckpt_weights=ema")
+    assert evaluated.returncode == 0, evaluated.output
+    assert evaluated.metrics["val/loss"] == pytest.approx(tied_single.metrics["val/ema/loss"], rel=1e-5)

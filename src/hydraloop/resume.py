@@ -254,13 +254,21 @@ def load_weights(path: str | Path, strategy: SingleDevice, model: nn.Module, wei
     """The checkpoint's weights into the (wrapped) model, for evaluation or prediction; its TrainState says whence.
     `weights` (ckpt_weights): model, or a callback that saved weights of its own, such as callbacks.ema's average."""
     checkpoint = load_checkpoint(path, lazy=True)
-    strategy.load_model_state(model, model_state(checkpoint, weights, f"ckpt_path={path}"))
+    state = model_state(checkpoint, weights, f"ckpt_path={path}", shared_names(strategy.unwrap(model)))
+    strategy.load_model_state(model, state)
     return TrainState.of(checkpoint)
 
 
-def model_state(checkpoint: dict[str, Any], weights: str, source: str) -> dict[str, Any]:
+def model_state(
+    checkpoint: dict[str, Any], weights: str, source: str, shared: dict[str, list[str]] | None = None
+) -> dict[str, Any]:
     """The checkpoint's `model`, or with `weights` naming a callback, its `weights` in place of the trained ones (the
-    model's buffers, which an average leaves alone, stay)."""
+    model's buffers, which an average leaves alone, stay).
+
+    `shared` (`shared_names`): the other names of each parameter that several modules share, such as a causal
+    language model's output layer tied to its input embeddings. A callback holds such a parameter once, under its
+    first name; its other names take the callback's value too, or the trained value under one of them, loaded into
+    the same tensor after it, would make the model a mixture of the two."""
     if weights == "model":
         return checkpoint["model"]
     saved = checkpoint.get("callbacks", {})
@@ -270,7 +278,18 @@ def model_state(checkpoint: dict[str, Any], weights: str, source: str) -> dict[s
             f"ckpt_weights={weights}: {source} holds no weights of callbacks.{weights}; it holds model"
             + (f" and {held}" if held else " only (trained without callbacks that average weights)")
         )
-    return {**in_memory(checkpoint["model"]), **saved[weights]["weights"]}
+    replaced = saved[weights]["weights"]
+    aliases = {alias: replaced[name] for name, others in (shared or {}).items() if name in replaced for alias in others}
+    return {**in_memory(checkpoint["model"]), **replaced, **aliases}
+
+
+def shared_names(model: nn.Module) -> dict[str, list[str]]:
+    """Each parameter that several modules share (tied weights), by its first name, the one `named_parameters`
+    gives it, with its other names."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return {first: others for first, *others in names.values() if others}
 
 
 def restore(

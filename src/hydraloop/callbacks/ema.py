@@ -61,7 +61,7 @@ class EMA(Callback):
         self.updates += 1
 
     def on_validation(self, trainer: Trainer, state: TrainState, metrics: dict[str, float]) -> dict[str, float]:
-        with self.weights_in_model():
+        with self.weights_in_model(trainer):
             averaged = trainer.evaluate(trainer.val_loader)
         return {self._metric(name): value for name, value in averaged.items()}
 
@@ -72,14 +72,19 @@ class EMA(Callback):
         return f"val/{self.name}/{name.removeprefix('val/')}"
 
     @contextmanager
-    def weights_in_model(self) -> Iterator[None]:
-        """The averages in the model's parameters, in place (so any wrapper sees them), and the weights back after."""
+    def weights_in_model(self, trainer: Trainer) -> Iterator[None]:
+        """The averages in the model's parameters, in place (so any wrapper sees them), and the weights back after.
+        Each write follows the strategy's `reshard`: under FSDP a forward may have left gathered copies, which the
+        next forward would read instead: the raw weights would be validated as the average, and the average, left
+        gathered by that validation, trained on."""
+        trainer.strategy.reshard(trainer.model)
         with torch.no_grad():
             weights = [param.clone() for param in self.local_params]
             torch._foreach_copy_(self.local_params, self.local_average)
         try:
             yield
         finally:
+            trainer.strategy.reshard(trainer.model)
             with torch.no_grad():
                 torch._foreach_copy_(self.local_params, weights)
 

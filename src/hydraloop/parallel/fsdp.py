@@ -194,6 +194,16 @@ class FSDPStrategy(DDPStrategy):
     def reduce_gradients(self, model: nn.Module, params: Sequence[nn.Parameter]) -> None:
         pass  # the backward has reduce-scattered every gradient: each rank holds its shard of the mean
 
+    def reshard(self, model: nn.Module) -> None:
+        # Under reshard_after_forward=false a forward leaves each unit's gathered parameters registered in its
+        # modules, and the next forward reads them, not the shards, until a backward frees them; validation has no
+        # backward. Values written into the shards would not be computed with (and a second write would leave the
+        # first's values gathered). Freed, the next forward gathers the shards anew; load_state_dict does the same
+        # through FSDP's pre-hook. FSDPModule.reshard is not recursive: each unit is called.
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
     def eval_module(self, model: nn.Module) -> nn.Module:
         return model  # unlike DDP, no plain module to fall back on: each rank holds only shards (see eval_batches)
 

@@ -122,6 +122,11 @@ class SingleDevice:
         """Gives every rank rank 0's buffers (batch norm's running statistics), before a validation or checkpoint:
         each rank updates its own from its own shard, and rank 0's are saved. Here, one rank: nothing to do."""
 
+    def reshard(self, model: nn.Module) -> None:
+        """Before parameters' values are written in place outside `load_state_dict` (a callback swapping in weights
+        of its own, hydraloop.callbacks.ema), on every rank: the next forward reads the model's parameters, not a
+        copy an earlier forward gathered (FSDP's). Here it always does: nothing to do."""
+
     def state_dicts(
         self, model: nn.Module, optimizers: dict[str, Optimizer], staging: Path | None = None
     ) -> Callable[[], tuple[Any, dict[str, dict]]]:
