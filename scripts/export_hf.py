@@ -52,8 +52,10 @@ def export(checkpoint_path: Path, out: Path) -> float:
         raise ConfigError(f"{out}: exists and is not an empty folder; name a new one (nothing is overwritten)")
     checkpoint, config = _read(checkpoint_path)
     transformers = import_transformers()
-    # Rebuilt from the config alone (the checkpoint has the weights), with transformers' own dropout and attention.
-    model = instantiate(config["model"], from_config=True, keyed_dropout=False).eval()
+    # The architecture training built (a pretrained model's embeddings as many as its config says, past its
+    # tokenizer's ids where it pads them), without reading the weights the checkpoint replaces; with transformers' own
+    # dropout and attention.
+    model = instantiate(config["model"], read_weights=False, keyed_dropout=False).eval()
     model.load_state_dict(checkpoint["model"])
     tokenizer = _tokenizer(config, transformers, str(checkpoint_path))
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -13,10 +13,14 @@ val_fraction of the tokens is val, as data=text splits. Tokenizers:
 - bpe: a byte-level BPE of --vocab-size tokens trained here on SOURCE with Hugging Face `tokenizers`, saved as
   OUT/tokenizer.json;
 - PATH: a Hugging Face tokenizer, a tokenizer.json or a model folder holding one (GPT-2's, say), never downloaded.
+With bpe and PATH each source file's ids are those of its whole text, `tokenizer.encode(text).ids`: the tokens the
+tokenizer's post-processor adds (a BOS <s>, BERT's [CLS] and [SEP]) once, at the file's start and end, and a word of
+its pre-tokenizer that spans a line break (a byte-level BPE's indent, 'ĊĠĠĠ') as one word (WholeTextEncoder; its
+truncation and padding, if set, do not apply).
 
 It streams: the sources are read a batch of lines at a time and written as they are encoded, so a corpus larger than
 memory works; char and byte batches are encoded by --processes worker processes (default: the cores, up to 8), bpe
-and Hugging Face tokenizers encode each batch on every core (the tokenizers library's threads). A
+and Hugging Face tokenizers encode each batch in pieces on every core (the tokenizers library's threads). A
 progress bar counts what has been read (characters; bytes for --tokenizer byte), against the sources' size in bytes.
 The files are written beside OUT and renamed into place at the end; rerun with the same sources (sizes and
 modification times) and settings, it leaves OUT as it is. OUT holding another corpus's token files is refused,
@@ -34,6 +38,7 @@ import sys
 import tempfile
 import zlib
 from collections.abc import Iterator
+from itertools import accumulate
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +48,8 @@ from hydraloop.data.text import encode
 from hydraloop.errors import ConfigError
 
 BATCH_BYTES = 1 << 20  # lines read and encoded together
+PIECE_CHARS = 1 << 14  # a batch is encoded by a Hugging Face tokenizer in pieces of about this many characters
+LONGEST_UNCUT = 4 * BATCH_BYTES  # a text this long without a place no word crosses is cut at a line's end anyway
 
 
 def sources(source: Path) -> list[Path]:
@@ -73,8 +80,8 @@ def source_bytes(file: Path) -> int:
 
 
 def line_batches(files: list[Path], progress: tqdm | None = None, binary: bool = False) -> Iterator[list]:
-    """The sources in batches of whole lines (a BPE never sees a word cut in two), about BATCH_BYTES each: text, or
-    with `binary` the bytes as they are (--tokenizer byte reads any file)."""
+    """The sources in batches of whole lines, about BATCH_BYTES each, a file's own: text, or with `binary` the bytes
+    as they are (--tokenizer byte reads any file)."""
     for file in files:
         with opened(file, binary) as lines:
             batch, size = [], 0
@@ -123,6 +130,7 @@ class Tokenizer:
             digest = hashlib.sha256((out_tmp / "tokenizer.json").read_bytes()).hexdigest()
             self.size = self.hf.get_vocab_size()
             self.meta = {"kind": self.kind, "file": "tokenizer.json", "sha256": digest}
+            self.whole_text = WholeTextEncoder(self.hf)
 
     @staticmethod
     def _hf_tokenizer(spec: str, files: list[Path], vocab_size: int | None, special_tokens: list[str]):
@@ -160,16 +168,120 @@ class Tokenizer:
         return tokenizer
 
     def encode(self, batch: list) -> np.ndarray:
-        if self.kind in ("char", "byte"):
-            return encode((b"" if self.binary else "").join(batch), self.vocab).numpy()
-        # Lines encoded as one text would differ at nothing but speed: each line is a batch item, in parallel.
-        return np.fromiter((i for e in self.hf.encode_batch(batch) for i in e.ids), dtype=np.int64)
+        """A batch of characters or bytes (a Hugging Face tokenizer encodes whole files: WholeTextEncoder)."""
+        return encode((b"" if self.binary else "").join(batch), self.vocab).numpy()
 
 
-def encoded(tokenizer: Tokenizer, batches: Iterator[list], processes: int) -> Iterator[np.ndarray]:
-    """Each batch's ids, in order. Characters and bytes are encoded by `processes` worker processes, a window of
-    batches at a time (memory stays bounded); a Hugging Face tokenizer encodes each batch with its own threads."""
-    if processes <= 1 or tokenizer.kind not in ("char", "byte"):
+class WholeTextEncoder:
+    """A Hugging Face tokenizer's ids of a file as `tokenizer.encode(text).ids` gives them for its whole text
+    (truncation and padding aside), from its lines a batch at a time: the tokens the post-processor adds, once at the
+    file's start and end; and the text cut only where no word of the pre-tokenizer crosses. Encoded line by line,
+    a BOS would start every line, and a byte-level BPE (GPT-2's) would never see the words that span a line break:
+    a blank line or an indent belongs to the line break before it ('ĊĊ', 'ĊĠĠĠ'), which its merges join.
+
+    A batch is encoded in pieces of about PIECE_CHARS, on every core (the tokenizers library's threads), each piece
+    reaching a line past the start of the next: where a piece's words start is taken as final one line before its
+    text ends (as the regular expressions of GPT-2's, Llama 3's and BERT's pre-tokenizers make it), so the next piece
+    starts there if no word crosses that place, and otherwise the batch is encoded again from that word on. What
+    follows the last place no word crosses, before the batch's last line, is encoded with the next batch."""
+
+    def __init__(self, tokenizer) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self.post_processor = tokenizer.post_processor
+        self.words = HFTokenizer.from_str(tokenizer.to_str())  # the text's tokens alone, as many as the text makes
+        self.words.post_processor = None
+        self.words.no_truncation()
+        self.words.no_padding()
+        self.added: tuple[list[int], list[int]] | None = None  # the post-processor's ids before and after a text
+        self.warned = False
+
+    def file_ids(self, batches: Iterator[list[str]]) -> Iterator[np.ndarray]:
+        carry, started = "", False
+        for batch in batches:
+            text = carry + "".join(batch)
+            line_starts = list(accumulate((len(line) for line in batch[:-1]), initial=len(carry)))
+            ids, cut = self._encoded_until(text, line_starts)
+            carry = text[cut:]
+            if ids and not started:
+                yield np.array(self.added[0], dtype=np.int64)
+                started = True
+            yield np.array(ids, dtype=np.int64)
+        ids = self._read_added(self.words.encode(carry)).ids if carry else []
+        if not ids and not started:  # no text tokens: what the post-processor makes of none
+            empty = self.words.encode("")
+            yield np.array(self.post_processor.process(empty).ids if self.post_processor else [], dtype=np.int64)
+            return
+        yield np.array((self.added[0] if not started else []) + ids + self.added[1], dtype=np.int64)
+
+    def _encoded_until(self, text: str, line_starts: list[int]) -> tuple[list[int], int]:
+        """The ids of `text` up to a place no word crosses, at or before its last line's start, and that place."""
+        end = line_starts[-1]
+        stops, previous = [], 0
+        for start in line_starts[:-1]:  # a line starting with a word, not an indent: a likely place no word crosses
+            if start - previous >= PIECE_CHARS and not text[start].isspace():
+                stops.append(start)
+                previous = start
+        stops.append(end)
+        line_ends = dict(zip(line_starts, [*line_starts[1:], len(text)]))
+        pieces = list(zip([0, *stops[:-1]], stops))
+        encodings = self.words.encode_batch([text[start : line_ends[stop]] for start, stop in pieces])
+        ids, position, taken = [], 0, 0
+        for (start, stop), encoding in zip(pieces, encodings):
+            if start != position:  # a word crossed the last piece's stop: the rest again, from that word on
+                encoding, stop = self.words.encode(text[position : len(text)]), end
+            taken, cut = uncrossed(self._read_added(encoding), stop - position)
+            ids += encoding.ids[:taken]
+            position += cut
+            if stop == end:
+                break
+        if len(text) - position > LONGEST_UNCUT:  # no pre-tokenizer (the whole text one word), or a line that long
+            if not self.warned:
+                print(
+                    f"prepare_text.py: {len(text) - position:,} characters with no place that no word crosses: cut "
+                    "at a line's end, where the whole text's ids may differ",
+                    file=sys.stderr,
+                )
+                self.warned = True
+            ids += encoding.ids[taken:]  # the last piece's, which reaches the text's end
+            position = len(text)
+        return ids, position
+
+    def _read_added(self, encoding):
+        """`encoding`, after reading off it (once) the ids the post-processor adds before and after a text."""
+        if self.added is None and encoding.ids:
+            processed = self.post_processor.process(encoding) if self.post_processor else encoding
+            inside = [i for i, sequence in enumerate(processed.sequence_ids) if sequence is not None]
+            self.added = (processed.ids[: inside[0]], processed.ids[inside[-1] + 1 :])
+        return encoding
+
+
+def uncrossed(encoding, limit: int) -> tuple[int, int]:
+    """(tokens, characters) of `encoding` before the last place at or before character `limit` that no word (of its
+    pre-tokenizer: its tokens share a word id) crosses."""
+    offsets, words = encoding.offsets, encoding.word_ids
+    after = len(offsets)
+    while after and offsets[after - 1][1] > limit:
+        after -= 1
+    if after == len(offsets):
+        return after, limit
+    first = after  # the first token to end past the limit: its word's first token
+    while first and words[after] is not None and words[first - 1] == words[after]:
+        first -= 1
+    if first == after and offsets[after][0] >= limit:  # a word starts at or past the limit: none crosses it
+        return after, limit
+    return first, offsets[first][0]
+
+
+def encoded(tokenizer: Tokenizer, files: list[Path], progress: tqdm | None, processes: int) -> Iterator[np.ndarray]:
+    """The sources' ids, in order. Characters and bytes are encoded by `processes` worker processes, a window of
+    batches at a time (memory stays bounded); a Hugging Face tokenizer encodes each file as its whole text."""
+    if tokenizer.kind not in ("char", "byte"):
+        for file in files:
+            yield from tokenizer.whole_text.file_ids(line_batches([file], progress))
+        return
+    batches = line_batches(files, progress, binary=tokenizer.binary)
+    if processes <= 1:
         yield from map(tokenizer.encode, batches)
         return
     with multiprocessing.get_context("spawn").Pool(processes) as pool:
@@ -250,8 +362,7 @@ def prepare(source: Path, out: Path, args) -> str:
                 total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", disable=not sys.stderr.isatty()
             ) as progress,
         ):
-            batches = line_batches(files, progress, binary=tokenizer.binary)
-            for ids in encoded(tokenizer, batches, getattr(args, "processes", 1)):
+            for ids in encoded(tokenizer, files, progress, getattr(args, "processes", 1)):
                 ids = ids.astype(dtype)
                 all_tokens.write(ids.tobytes())
                 count += ids.size

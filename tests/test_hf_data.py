@@ -261,3 +261,48 @@ def test_export_and_sampling_use_the_datas_tokenizer(plays, lm_single, train_env
     sample = subprocess.run([*command, "--max-new-tokens", "5"], env=train_env, capture_output=True, text=True)
     assert sample.returncode == 0, sample.stderr
     assert sample.stdout.startswith("To be")
+
+
+@pytest.fixture(scope="module")
+def padded_gpt2(plays, tmp_path_factory):
+    """A pretrained folder whose embeddings are padded past its tokenizer, as Pythia's and Qwen's are: a tiny GPT-2
+    of 320 rows, saved with the plays' 300-token tokenizer."""
+    transformers = pytest.importorskip("transformers")
+    _, tokenizer_file = plays
+    folder = tmp_path_factory.mktemp("padded_gpt2")
+    config = transformers.GPT2Config(vocab_size=320, n_layer=1, n_embd=32, n_head=2, n_positions=32)
+    config.bos_token_id = config.eos_token_id = None  # GPT-2's 50256 is past these 320
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(folder)
+    transformers.PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), pad_token="<pad>").save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.slow
+def test_a_model_padded_past_its_tokenizer_exports_as_trained(padded_gpt2, lines, run_train, train_env, tmp_path):
+    """Fine-tuned from a folder of 320 embeddings and a 300-token tokenizer: the export has the 320 rows training
+    read and wrote (not the data's 300, which fresh weights would be sized for), the checkpoint's logits, and the
+    tokenizer the data was encoded with."""
+    transformers = pytest.importorskip("transformers")
+    run = run_train(
+        *["data=hf_lm", f"data.dataset.path={lines}", "data.batch_size=12", "data.block_size=32"],
+        *["model=hf", f"model.name_or_path={padded_gpt2}", "task=language_model", "trainer.max_steps=2"],
+        *["optimizer=sgd", "optimizer.lr=0.5", "logger=none"],
+    )
+    assert run.returncode == 0, run.output
+    out = tmp_path / "exported"
+    command = [sys.executable, str(REPO / "scripts" / "export_hf.py"), str(run.run_dir / "checkpoints" / "last.pt")]
+    export = subprocess.run([*command, str(out)], env=train_env, capture_output=True, text=True)
+    assert export.returncode == 0, export.stderr
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    trained = transformers.GPT2LMHeadModel(transformers.GPT2Config.from_pretrained(padded_gpt2)).eval()
+    trained.load_state_dict(run.checkpoint()["model"])
+    assert exported.config.vocab_size == 320
+    assert max_param_diff(exported.state_dict(), run.checkpoint()["model"]) == 0.0
+    ids = torch.randint(0, 320, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(exported(ids).logits, trained(ids).logits)
+    tokenizer, trained_with = (transformers.AutoTokenizer.from_pretrained(folder) for folder in (out, padded_gpt2))
+    line = "To be, or not to be: that is the question"
+    assert tokenizer(line)["input_ids"] == trained_with(line)["input_ids"] and len(tokenizer) == 300
+    assert tokenizer.get_vocab() == trained_with.get_vocab() and tokenizer.pad_token == "<pad>"

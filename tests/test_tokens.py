@@ -2,7 +2,9 @@
 trains on the same tokens; random windows are exact under ddp, fsdp, accumulation and resume; a fixed validation
 draw is the same under 1 and 2 ranks; memory stays flat in the corpus size; bad files are one line."""
 
+import argparse
 import gzip
+import importlib.util
 import json
 import math
 import pickle
@@ -30,6 +32,13 @@ GPT = (
     "trainer.max_steps=8",
     "logger=none",
 )
+
+
+def script(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def prepare(source, out, *args, env=None) -> subprocess.CompletedProcess:
@@ -260,6 +269,92 @@ def test_more_validation_windows_than_the_split_holds_is_one_line(char_tokens):
     load_tokens(str(char_tokens), 32, val_windows=val_tokens - 32)  # as many draws as there are windows
     with pytest.raises(ConfigError, match=rf"data.dataset.val_windows=10000000: more than the {val_tokens - 32} "):
         load_tokens(str(char_tokens), 32, val_windows=10_000_000)
+
+
+def hf_tokenizer(kind: str, text: str):
+    """A tokenizer built here: a byte-level BPE (GPT-2's kind), the same adding <s> before a text (Llama's), a
+    WordPiece adding [CLS] before and [SEP] after (BERT's), with padding on (a batch encoded padded would pad), or a
+    BPE whose words are split at spaces alone (SentencePiece's Metaspace: a line break is inside a word)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    if kind == "wordpiece [CLS] [SEP]":
+        tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+        tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        specials = ["[UNK]", "[CLS]", "[SEP]", "[PAD]"]
+        tokenizer.train_from_iterator([text], trainers.WordPieceTrainer(vocab_size=400, special_tokens=specials))
+        cls, sep = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
+        tokenizer.post_processor = processors.BertProcessing(("[SEP]", sep), ("[CLS]", cls))
+        tokenizer.enable_padding(pad_token="[PAD]", pad_id=tokenizer.token_to_id("[PAD]"))
+        return tokenizer
+    tokenizer = Tokenizer(models.BPE())
+    if kind == "metaspace bpe":
+        tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+        alphabet = []
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>"], initial_alphabet=alphabet)
+    tokenizer.train_from_iterator([text], trainer)  # merges across line breaks too: a blank line's, an indent's
+    if kind == "bpe <s>":
+        tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    return tokenizer
+
+
+@pytest.mark.parametrize("kind", ["byte-level bpe", "bpe <s>", "wordpiece [CLS] [SEP]", "metaspace bpe"])
+def test_each_file_is_encoded_as_its_whole_text(kind, tmp_path, monkeypatch):
+    """--tokenizer PATH, a batch of lines at a time (tiny batches here, of pieces of a few lines): each file's ids
+    are those of `tokenizer.encode(its text)`: byte-level BPE's merges across line breaks (an indent is one word with
+    the line break before it) as they are, and the tokens the post-processor adds once, not on every line."""
+    prepare_text = script("prepare_text")
+    monkeypatch.setattr(prepare_text, "BATCH_BYTES", 2048)
+    monkeypatch.setattr(prepare_text, "PIECE_CHARS", 300)
+    plays = corpus_path(None).read_text()
+    indented = "".join(" " * (4 * (i % 3)) + f"line {i}, é\n" + "  \n" * (i % 2) + "\n" for i in range(200))
+    texts = {
+        "a.txt": plays[:6000] + "<s> as text\n" + "a line longer than a batch " * 150 + "\n\n\n  \n" + indented,
+        "b.txt": indented + plays[-6000:] + "\n\n  ",  # no line break at the end
+    }
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    for name, text in texts.items():
+        (folder / name).write_text(text)
+    tokenizer = hf_tokenizer(kind, "".join(texts.values()))
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    args = dict(tokenizer=str(tmp_path / "tokenizer.json"), vocab_size=None, special_tokens=[], val_fraction=0.1)
+    prepare_text.prepare(folder, tmp_path / "tokens", argparse.Namespace(**args, overwrite=False, processes=1))
+    ids = np.concatenate([np.fromfile(tmp_path / "tokens" / f"{split}.bin", np.uint16) for split in ("train", "val")])
+    whole = [tokenizer.encode(text).ids for text in texts.values()]
+    assert ids.tolist() == whole[0] + whole[1]
+    lines = [e.ids for text in texts.values() for e in tokenizer.encode_batch(text.splitlines(keepends=True))]
+    assert ids.tolist() != sum(lines, [])  # encoded line by line they differ: the test tells the two apart
+    if kind == "bpe <s>":  # once a file, and once where the text has it
+        assert (ids == tokenizer.token_to_id("<s>")).sum() == 2 + 1
+    if kind == "wordpiece [CLS] [SEP]":
+        assert [(ids == tokenizer.token_to_id(token)).sum() for token in ("[CLS]", "[SEP]")] == [2, 2]
+
+
+def test_a_tokenizer_that_makes_the_whole_text_one_word_is_cut_at_a_line_end_after_a_while(
+    tmp_path, monkeypatch, capsys
+):
+    """Without a pre-tokenizer the whole text is one word, and no place in it is uncrossed: past LONGEST_UNCUT
+    characters it is cut at a line's end all the same, with one line saying so, every character encoded once."""
+    from tokenizers import Tokenizer, models, trainers
+
+    prepare_text = script("prepare_text")
+    monkeypatch.setattr(prepare_text, "BATCH_BYTES", 256)
+    monkeypatch.setattr(prepare_text, "LONGEST_UNCUT", 1024)
+    text = "".join(f"line {i}\n" for i in range(1000))
+    (tmp_path / "lines.txt").write_text(text)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.train_from_iterator([text], trainers.BpeTrainer(vocab_size=60))
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    args = dict(tokenizer=str(tmp_path / "tokenizer.json"), vocab_size=None, special_tokens=[], val_fraction=0.1)
+    prepare_text.prepare(tmp_path / "lines.txt", tmp_path / "tokens", argparse.Namespace(**args, overwrite=False))
+    ids = np.concatenate([np.fromfile(tmp_path / "tokens" / f"{split}.bin", np.uint16) for split in ("train", "val")])
+    assert "".join(tokenizer.id_to_token(int(i)) for i in ids) == text
+    assert capsys.readouterr().err.count("with no place that no word crosses: cut at a line's end") == 1
 
 
 def test_a_bpe_corpus_trains_samples_with_its_tokenizer_and_refuses_another(run_train, tmp_path, train_env):

@@ -48,13 +48,16 @@ def hf_model(
     pad_token: str | None = None,
     keyed_dropout: bool = True,
     gradient_checkpointing: bool = False,
+    read_weights: bool = True,
 ) -> nn.Module:
     """The transformers model `auto_class` names, from `name_or_path` (its weights) or `model_type` (fresh). With
     fresh weights, `vocab_size` (the data's) sizes the embeddings unless `config` sets it; `num_labels` goes to the
     config of a classifier (an auto class `...ForSequenceClassification`: its head); `block_size` and `max_length`
     (the data's: data=hf truncates its texts to max_length) are checked against the model's positions; `tokenizer`
     (data=hf's) against its vocabulary, and its padding token becomes the config's (a GPT-2 classifier reads each
-    row's last token before the padding)."""
+    row's last token before the padding). `read_weights=False` builds the architecture these settings build, with
+    fresh weights and nothing read but `name_or_path`'s config: the model a checkpoint of them holds the weights of
+    (from_config would size a pretrained model's embeddings for the data, not as they were trained)."""
     transformers = import_transformers()
     auto = _auto_class(transformers, auto_class)
     overrides = dict(config or {})
@@ -73,7 +76,7 @@ def hf_model(
         overrides.setdefault("vocab_size", len(texts))
     model_config = _config(transformers, name_or_path, model_type, overrides)
     _check_sizes(model_config, vocab_size, {"data.block_size": block_size, "data.dataset.max_length": max_length})
-    if not fresh:
+    if not fresh and read_weights:
         _check_weights(name_or_path)
     require(
         texts is None or len(texts) <= model_config.vocab_size,
@@ -85,7 +88,7 @@ def hf_model(
         register_keyed_attention()
     # The launcher's check (checks.check_model) runs on the meta device: the architecture is enough, weights unread.
     try:
-        if fresh or torch.get_default_device().type == "meta":
+        if fresh or not read_weights or torch.get_default_device().type == "meta":
             model, loading = auto.from_config(model_config, **attention), {}
         else:
             model, loading = auto.from_pretrained(
