@@ -9,7 +9,8 @@
 (b) Start-up: `python src/train.py` up to its first training step (one step, one validation batch) against
     `python -c "import torch"`.
 (c) parallel=dataparallel and parallel=ddp with 1 and 2 processes (`--ddp-procs`) against parallel=single, as whole
-    commands.
+    commands; and ddp with the most processes again without its replica check (trainer.replica_check_every_n_steps=0):
+    the check's cost at its default, before each validation and checkpoint.
 (d) Images per second through hydraloop's training loader over an image folder (scripts/make_image_folder.py's
     digits, 16x16 random crops and flips, seeded per sample) with 0, 1 and 2 worker processes, the transforms'
     closing ToDtype and Normalize run per batch (hydraloop's way) and per sample. (a) also runs a small CNN on that
@@ -49,7 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from benchmark_commands import ddp_scaling, startup  # noqa: E402
+from benchmark_commands import NO_REPLICA_CHECK, ddp_scaling, startup  # noqa: E402
 from benchmark_lightning import available as lightning_available  # noqa: E402
 from benchmark_lightning import command_line_runs, lightning_epoch_rates  # noqa: E402
 from benchmark_loops import (  # noqa: E402
@@ -299,10 +300,19 @@ def main() -> None:
     if "ddp" not in args.skip:
         report["ddp"] = ddp_scaling(args)
         print("\n(c) parallel strategies (whole command; loop samples/s from metrics.json)")
-        print(f"{'variant':<14}{'wall s':>9}{'samples/s':>12}{'vs single':>11}")
+        print(f"{'variant':<24}{'wall s':>9}{'samples/s':>12}{'vs single':>11}")
         for row in report["ddp"]:
             print(
-                f"{row['variant']:<14}{row['wall_s']:>9.2f}{row['samples_per_s']:>12.0f}{row['ratio_vs_single']:>11.3f}"
+                f"{row['variant']:<24}{row['wall_s']:>9.2f}{row['samples_per_s']:>12.0f}{row['ratio_vs_single']:>11.3f}"
+            )
+        rates = {row["variant"]: row["samples_per_s"] for row in report["ddp"]}
+        ranks = max(args.ddp_procs)
+        unchecked = f"ddp x{ranks} {NO_REPLICA_CHECK}"
+        if unchecked in rates:
+            report["replica_check_cost"] = rates[unchecked] / rates[f"ddp x{ranks}"] - 1
+            print(
+                f"replica check's cost at its default: {100 * report['replica_check_cost']:.1f}% of ddp x{ranks}'s "
+                f"throughput (against {unchecked}: trainer.replica_check_every_n_steps=0)"
             )
     if "images" not in args.skip:
         report["images"] = image_loader_throughput(args, device)

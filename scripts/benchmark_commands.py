@@ -72,8 +72,12 @@ def startup(args) -> dict:
     }
 
 
+NO_REPLICA_CHECK = "no replica check"  # in a variant's name, which names its run directory: no comma
+
+
 def ddp_scaling(args) -> list[dict]:
-    """Whole commands; loop throughput from metrics.json (global samples over the time spent in fit)."""
+    """Whole commands; loop throughput from metrics.json (global samples over the time spent in fit). With the most
+    ranks of `--ddp-procs`, also ddp with trainer.replica_check_every_n_steps=0, for the check's cost at its default."""
     common = [
         "data=synthetic",
         "data.dataset.num_train=32768",
@@ -90,6 +94,10 @@ def ddp_scaling(args) -> list[dict]:
         "dataparallel": ["parallel=dataparallel"],
         **{f"ddp x{n}": ["parallel=ddp", f"parallel.nproc_per_node={n}"] for n in args.ddp_procs},
     }
+    replicated = max(args.ddp_procs)
+    if replicated > 1:  # the replica check at its default (each validation and checkpoint) against none
+        check_off = ["parallel=ddp", f"parallel.nproc_per_node={replicated}", "trainer.replica_check_every_n_steps=0"]
+        variants[f"ddp x{replicated} {NO_REPLICA_CHECK}"] = check_off
     results = {label: {"wall_s": [], "samples_per_s": []} for label in variants}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(max(1, args.repeats // 2)):

@@ -3,12 +3,14 @@
 Selected from the command line like any model, e.g. `model._target_=tests.faults.RaisingMLP +model.fail_rank=1`.
 """
 
+import math
 import os
 import signal
 import time
 
 import torch
 
+from hydraloop.callbacks import Callback
 from hydraloop.models.mlp import MLP
 
 
@@ -186,3 +188,23 @@ class KilledWhileSavingMLP(RaisingMLP):
 
     def misbehave(self) -> None:
         pass
+
+
+class NudgeOnOneRank(Callback):
+    """A callback that moves one value up by one ulp on rank `rank`, after optimizer step `at_step`: a change that
+    rank alone makes, outside the all-reduced gradient. `value`: model, the first parameter's first element (this
+    rank's shard of it under fsdp); optimizer, the first element of that parameter's first state tensor (exp_avg)."""
+
+    def __init__(self, rank: int = 1, at_step: int = 1, value: str = "model") -> None:
+        self.rank, self.at_step, self.value = rank, at_step, value
+
+    @torch.no_grad()
+    def on_optimizer_step(self, trainer, state) -> None:
+        if int(os.environ.get("RANK", 0)) != self.rank or state.global_step != self.at_step:
+            return
+        tensor = next(trainer.strategy.unwrap(trainer.model).parameters())
+        if self.value == "optimizer":
+            moments = trainer.optimizers[""].state[tensor]
+            tensor = next(moments[key] for key in sorted(moments) if moments[key].dim())
+        first = (tensor.to_local() if hasattr(tensor, "to_local") else tensor).view(-1)[:1]
+        first.copy_(torch.nextafter(first, torch.full_like(first, math.inf)))

@@ -33,6 +33,7 @@ ROWS = [
     (["data=synthetic", "data.input_shape=[0]"], "data.input_shape=[0]: must be positive sizes"),
     (["data=text", "data.block_size=-3"], "data.block_size=-3: must be positive"),  # the key given, not input_shape
     (["parallel=ddp", "parallel.timeout_s=0"], "parallel.timeout_s=0.0: must be a positive number of seconds"),
+    (["trainer.replica_check_every_n_steps=-1"], "trainer.replica_check_every_n_steps=-1: must be 0 (off), positive"),
     # Every job of a sweep, before the first runs.
     (["-m", "optimizer.lr=0.1,abc,0.01"], "optimizer.lr=abc: must be a positive finite number (in the sweep's job"),
     # A search space, direction or budget that Optuna or joblib would refuse.
@@ -87,11 +88,12 @@ ROWS = [
         "the model returns a tuple; Classification reads a tensor of outputs",
     ),
     # Callbacks: one that does not exist, a value out of range, a metric no callback reports, weights for training.
-    (["callbacks=[ema,swa]"], "callbacks=[ema,swa]: 'swa' is not an option of callbacks (ema)"),
+    (["callbacks=[ema,swa]"], "callbacks=[ema,swa]: 'swa' is not an option of callbacks (ema, grad_norm)"),
     (["callbacks=[ema]", "callbacks.ema.decay=1.5"], "callbacks.ema.decay=1.5: must be in (0, 1)"),
     (["callbacks=[ema]", "callbacks.ema.every_n_steps=0"], "callbacks.ema.every_n_steps=0: must be >= 1"),
     (["callbacks=[ema]", "+callbacks.ema.decay_rate=0.9"], "EMA takes no argument 'decay_rate'"),
     (["+callbacks.ema.decay=0.9"], "callbacks.ema={'decay': 0.9}: not a callback"),
+    (["callbacks=[grad_norm]", "callbacks.grad_norm.norm_type=0"], "callbacks.grad_norm.norm_type=0: must be positive"),
     (["optimized_metric=val/ema/acc"], "optimized_metric=val/ema/acc: the task reports val/loss, val/acc"),
     (["ckpt_weights=ema"], "ckpt_weights=ema: for mode=eval and mode=predict"),
     (["parallel=fsdp", "parallel.replicate=3"], "parallel.replicate=3: must divide the world size, 2 ranks"),

@@ -76,11 +76,17 @@ OWN_SCHEDULE = (
 )
 
 
+# A callback that counts its gradient hooks' calls per optimizer (tests/randomness.py), drawing noise of size 0.
+COUNTED_HOOKS = ("+callbacks.hooks._target_=tests.randomness.GradientNoise", "+callbacks.hooks.sigma=0.0")
+
+
 def test_the_optimizers_stepped_scheduled_and_logged_are_the_tasks(run_train):
     run = run_train(
         *GAN,
         *ALTERNATING,
         *OWN_SCHEDULE,
+        *COUNTED_HOOKS,
+        "callbacks=[grad_norm]",
         "trainer.max_steps=3",
         "trainer.ckpt_every_n_steps=1",
         "trainer.log_every_n_steps=1",
@@ -90,6 +96,15 @@ def test_the_optimizers_stepped_scheduled_and_logged_are_the_tasks(run_train):
     rows = list(csv.DictReader((run.run_dir / "metrics.csv").open()))
     lrs = [float(row[f"train/lr/{name}"]) for row in rows[:2] for name in ("generator", "discriminator")]
     assert lrs == pytest.approx([2e-4 * 2 / 3, 2e-4, 2e-4, 2e-4])  # the lr of the step after the logged one
+    # The gradient hooks run once per optimizer the step takes: the generator at the second step only.
+    assert run.checkpoint()["callbacks"]["hooks"]["calls"] == {
+        "before_optimizer_step/discriminator": 3,
+        "after_clipping/discriminator": 3,
+        "before_optimizer_step/generator": 1,
+        "after_clipping/generator": 1,
+    }
+    logged = [[name for name in ("discriminator", "generator") if row[f"train/grad_norm/{name}"]] for row in rows[:3]]
+    assert logged == [["discriminator"], ["discriminator", "generator"], ["discriminator"]]
     first, second = run.checkpoint("step-00000001.pt"), run.checkpoint("step-00000002.pt")
     # Step 1 (the first of n_critic=2): the discriminator alone; the generator's weights are the initial ones.
     assert set(first["optimizer"]["generator"]["state"]) == set()
@@ -191,8 +206,13 @@ def test_a_non_finite_pass_skips_the_step_for_every_optimizer_after_it(run_train
     """Row 50 is NaN: step 2's discriminator loss is NaN. The generator must not train against the discriminator
     that step left as it was: both skip it."""
     ring = ("data.dataset._target_=tests.faults.nan_ring", "+data.dataset.nan_rows=[50]", "data.shuffle=false")
-    run = run_train(*GAN, *ring, "data.batch_size=42", "trainer.nonfinite_loss=skip", "trainer.max_steps=6")
+    run = run_train(
+        *GAN, *ring, *COUNTED_HOOKS, "data.batch_size=42", "trainer.nonfinite_loss=skip", "trainer.max_steps=6"
+    )
     assert run.returncode == 0, run.output
     assert run.metrics["skipped_steps"] == 1
     steps = {name: int(state["state"][0]["step"]) for name, state in run.checkpoint()["optimizer"].items()}
     assert steps == {"discriminator": 5, "generator": 5}
+    # Nor do the callbacks' gradient hooks see the skipped step's gradients.
+    calls = run.checkpoint()["callbacks"]["hooks"]["calls"]
+    assert calls == {f"{hook}/{name}": 5 for hook in ("before_optimizer_step", "after_clipping") for name in steps}

@@ -202,6 +202,11 @@ def check_config(cfg: Any, world_size: int) -> None:
     ):
         value = OmegaConf.select(cfg.trainer, key)
         require(value is None or value > 0, f"trainer.{key}={value}: must be positive, or null")
+    replica_check = cfg.trainer.replica_check_every_n_steps
+    require(
+        replica_check is None or replica_check >= 0,
+        f"trainer.replica_check_every_n_steps={replica_check}: must be 0 (off), positive, or null (at checkpoints)",
+    )
     min_delta = cfg.trainer.early_stopping.min_delta
     require(min_delta >= 0, f"trainer.early_stopping.min_delta={min_delta}: must be at least 0")
     require(

@@ -74,7 +74,7 @@ class TrainerConfig:
     cpu_threads: int | None = None
     """Threads each rank computes with on the CPU (torch.set_num_threads). null: PyTorch's default (OMP_NUM_THREADS,
     else one per core), or under ddp and fsdp the rank's share of the machine's cores. Training on the CPU with busy
-    DataLoader workers, fewer can be faster: the workers need cores too (README, Benchmarks)."""
+    DataLoader workers, fewer can be faster: the workers need cores too (docs/benchmarks.md)."""
     nonfinite_loss: str = "stop"
     """A NaN or infinite loss. stop: end the run at the next logging step (or validation, or checkpoint: none is made
     from it), naming the step and rank (free per step). skip: every rank drops that step's update (a collective and
@@ -82,6 +82,12 @@ class TrainerConfig:
     max_consecutive_skips: int = 10
     """nonfinite_loss=skip: this many skipped steps in a row end the run as diverged (skipping is for the odd bad
     batch)."""
+    replica_check_every_n_steps: int | None = None
+    """Compare the ranks' copies of the parameters, optimizer state and callbacks' state (ddp's ranks, fsdp's
+    replicate groups), bit for bit, with one small all-reduce; on a difference end the run naming the first tensor
+    that differs, the step and the ranks, before that state is validated or saved (hydraloop.replica_check). null:
+    before each validation and checkpoint, and so at the end; N: also after every N-th optimizer step; 0: never.
+    Nothing to compare under single, dataparallel, and fsdp with replicate=1."""
     profile: bool = False
     """torch.profiler over steps 2-5 of the run (rank 0); the trace goes to tensorboard/profiler/."""
     peak_tflops: float | None = None

@@ -16,9 +16,17 @@ that optimizer (`training_loss(model, batch, optimizer=name)`), stepping that op
 parameters are reduced over the ranks (`reduce_gradients`), checked, clipped and scaled as one optimizer's are, and
 every gradient is cleared before the next pass. A pass with a non-finite loss (`trainer.nonfinite_loss=skip`) ends the
 step as a skipped one: its optimizer and those of the passes after it do not step (those before it have).
+
+Once an optimizer's gradients are reduced, every rank holds the same ones (under FSDP, shards of them), and what
+follows acts on state every rank holds alike: the callbacks' gradient hooks (`on_before_optimizer_step` sees the
+global gradients, unscaled; `on_after_clipping` sees them clipped), clipping and the optimizer's step. Torch's
+generators are seeded from the run's seed, the step and the pass alone there (hydraloop.seeding.StepSeeder), as they
+are where the task chooses the step's passes, so noise drawn there (and a schedule drawn at random) is the same on
+every rank and the same as one process draws.
 """
 
 import math
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
@@ -31,7 +39,11 @@ from hydraloop.keyed_dropout import RowKeys
 from hydraloop.losses import nonfinite_on_any_rank
 from hydraloop.parallel.single import SingleDevice
 from hydraloop.precision import Precision
+from hydraloop.seeding import CHOOSING_THE_PASSES, StepSeeder
 from hydraloop.tasks.base import Task
+
+GradientHooks = Callable[[str, str, Optimizer], None]
+"""Called with (the hook: `on_before_optimizer_step` or `on_after_clipping`; the optimizer's name; the optimizer)."""
 
 
 class OptimizerStep:
@@ -48,9 +60,12 @@ class OptimizerStep:
         grad_clip_norm: float | None = None,
         skip_nonfinite: bool = False,
         row_keys: RowKeys | None = None,
+        seeder: StepSeeder,
+        gradient_hooks: GradientHooks | None = None,
     ) -> None:
         """`model`: the strategy-wrapped model; `optimizers`: by name, one named "" or several (hydraloop.optim);
-        `row_keys`: for a model with KeyedDropout (None: it has none)."""
+        `row_keys`: for a model with KeyedDropout (None: it has none); `seeder`: seeds torch's generators before
+        each part of the step; `gradient_hooks`: the callbacks' (None: no callback has one)."""
         self.strategy, self.precision, self.task = strategy, precision, task
         self.model, self.optimizers = model, optimizers
         self.names = list(optimizers)
@@ -62,6 +77,7 @@ class OptimizerStep:
         # Rows of a micro-batch of a complete global batch, per rank (the launcher checks that they divide).
         self.micro_rows = global_batch_size // (self.world_size * grad_accum_steps)
         self.row_keys = row_keys
+        self.seeder, self.gradient_hooks = seeder, gradient_hooks
         self.float_buffers = [buffer for buffer in model.buffers() if buffer.is_floating_point()]
 
     def __call__(self, batch: Any, global_rows: int, step: int) -> Tensor | None:
@@ -72,6 +88,7 @@ class OptimizerStep:
         if not self.several:
             return self.update("", batch, global_rows, step, 0)
         total, stepped = torch.zeros((), device=self.strategy.device), False
+        self.seeder.replicated(step, CHOOSING_THE_PASSES)  # a task that draws its schedule draws it alike everywhere
         try:
             for index, name in enumerate(self.task.optimizer_steps(step, self.names)):
                 loss = self.update(name, batch, global_rows, step, index)
@@ -87,6 +104,7 @@ class OptimizerStep:
         """One optimizer's pass over the batch and its update; `index`: the pass's place in the step (its dropout
         masks are its own)."""
         optimizer = self.optimizers[name]
+        self.seeder(step, index)  # this rank's own stream, for its rows' dropout
         if self.several:  # every gradient: a pass also reaches parameters another optimizer steps
             self.model.zero_grad(set_to_none=True)
         else:
@@ -130,13 +148,25 @@ class OptimizerStep:
                 for buffer, saved in zip(self.float_buffers, buffers):
                     buffer.copy_(saved)
             return None
+        self.seeder.replicated(step, index)  # from here on, every rank acts alike on the same gradients
+        with self.strategy.whole_tensor_draws():
+            self.clip_and_step(name, optimizer)
+        return loss_sum
+
+    def clip_and_step(self, name: str, optimizer: Optimizer) -> None:
+        """The optimizer's step on its reduced gradients: the gradient hooks, clipping, and the step itself."""
+        hooks = self.gradient_hooks
+        if self.grad_clip_norm is not None or hooks:
+            self.precision.unscale_(optimizer)  # the clip threshold, and the hooks, see true gradients
+        if hooks:
+            hooks("on_before_optimizer_step", name, optimizer)
         if self.grad_clip_norm is not None:
             # DDP has averaged the gradients by now, so every rank clips by the same global norm. Under FSDP each
             # rank holds a shard (DTensor) of them, and clip_grad_norm_ takes the norm over all shards.
-            self.precision.unscale_(optimizer)
             nn.utils.clip_grad_norm_(self.params[name], self.grad_clip_norm)
+        if hooks:
+            hooks("on_after_clipping", name, optimizer)
         self.precision.step(optimizer, update=not self.several)
-        return loss_sum
 
     def loss_shares(self, micro_batches: list[tuple[Any, int, int]]) -> Tensor | None:
         """For a task that weights its loss by a count of its own (`Task.loss_weight`: tokens, say), each

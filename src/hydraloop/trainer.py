@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from hydraloop.batches import map_tensors, to_device
-from hydraloop.callbacks import Callback
+from hydraloop.callbacks import Callback, has_gradient_hooks
 from hydraloop.checkpoint import TrainState, checkpoint_state, step_checkpoint
 from hydraloop.data.loaders import GlobalBatchSampler, TrainLoader
 from hydraloop.early_stopping import EarlyStopping
@@ -32,8 +32,9 @@ from hydraloop.perf import Throughput, interval_peak_memory_gb
 from hydraloop.precision import Precision
 from hydraloop.preemption import STOP_SIGNALS, StopRequest
 from hydraloop.profiling import NullProfiler
+from hydraloop.replica_check import ReplicaCheck
 from hydraloop.run_writer import NullRunWriter
-from hydraloop.seeding import StepSeeder, epoch_seed, seed_everything
+from hydraloop.seeding import AFTER_THE_STEP, StepSeeder, epoch_seed, seed_everything
 from hydraloop.sharded_checkpoint import staging_dir
 from hydraloop.step import OptimizerStep
 from hydraloop.tasks.base import Task
@@ -117,6 +118,7 @@ class Trainer:
         self.stop_request = stop_request or StopRequest()
         self.stop_signum = 0  # the stop signal all ranks agreed on at the last reduction
         self.seed_step = StepSeeder(seed, strategy.rank, strategy.devices)
+        self.replica_check = ReplicaCheck(settings.replica_check_every_n_steps, strategy)
         # Only for a model that draws keyed masks: every other model pays nothing for it.
         keyed = draws_keyed_masks(model)
         row_keys = RowKeys(seed, strategy.rank, strategy.world_size, strategy.device) if keyed else None
@@ -131,6 +133,8 @@ class Trainer:
             grad_clip_norm=settings.grad_clip_norm,
             skip_nonfinite=settings.nonfinite_loss == "skip",
             row_keys=row_keys,
+            seeder=self.seed_step,
+            gradient_hooks=self._gradient_hooks if has_gradient_hooks(callbacks or {}) else None,
         )
         self.progress, self.profiler = tqdm(disable=True), NullProfiler()  # fit() swaps in the writer's
         self.saved_at = -1  # the global step of this run's latest checkpoint
@@ -144,6 +148,11 @@ class Trainer:
         self.callbacks = callbacks or {}
         for callback in self.callbacks.values():
             callback.setup(self)
+
+    def _gradient_hooks(self, hook: str, optimizer_name: str, optimizer: Optimizer) -> None:
+        """Each callback's `hook` (on_before_optimizer_step, on_after_clipping), for hydraloop.step."""
+        for callback in self.callbacks.values():
+            getattr(callback, hook)(self, self.state, optimizer_name, optimizer)
 
     def load_callback_states(self, states: dict[str, Any]) -> None:
         """A checkpoint's callback states (its `callbacks`), into the callbacks of this run's config."""
@@ -170,7 +179,7 @@ class Trainer:
         start, start_step = time.perf_counter(), state.global_step
         if self.validated:  # a checkpoint of a validated step: validating it again would log its metrics twice
             self.validated_at = state.global_step
-        self.val_loader = val_loader
+        self.val_loader, self.state = val_loader, state
         total_steps = planned_steps(self.max_steps, self.max_epochs, state, train_loader.sampler)
         with (
             self.writer.progress(total_steps, state.global_step) as self.progress,
@@ -267,8 +276,10 @@ class Trainer:
     def _before_validation_or_checkpoint(self, state: TrainState) -> None:
         """Weights that are not finite (from an overflowing gradient, say) are neither validated nor saved: the run
         ends, naming the checkpoint a rerun would start from. And every rank takes rank 0's buffers (batch norm's
-        running statistics, which each rank updates from its own shard): the ones rank 0 saves."""
+        running statistics, which each rank updates from its own shard): the ones rank 0 saves. Replicas that
+        differ (hydraloop.replica_check) end the run too."""
         check_finite_weights(self.model, state.global_step, self.strategy, self.rerun_note())
+        self.replica_check(self, state.global_step)
         self.strategy.sync_buffers(self.model)
 
     def validate(self, val_loader: DataLoader, state: TrainState) -> dict[str, Any]:
@@ -327,7 +338,6 @@ class Trainer:
             wait_start = time.perf_counter()
             batch = next(batches)
             interval.data_wait_s += time.perf_counter() - wait_start
-            self.seed_step(state.global_step)
             global_rows = sampler.global_rows(state.epoch_samples)
             loss = self.step(self._on_device(batch), global_rows, state.global_step)
             for scheduler in self.schedulers.values():
@@ -341,8 +351,11 @@ class Trainer:
                 self._skipped(state)
             else:
                 state.skipped_in_a_row = 0
-                for callback in self.callbacks.values():
-                    callback.on_optimizer_step(self, state)
+                self.seed_step.replicated(state.global_step, AFTER_THE_STEP)  # as in the step: alike on every rank
+                with self.strategy.whole_tensor_draws():
+                    for callback in self.callbacks.values():
+                        callback.on_optimizer_step(self, state)
+            self.replica_check.after_step(self, state.global_step)
             if state.global_step % self.log_every_n_steps == 0:
                 epoch_loss += interval.loss_sum
                 self._log_interval(interval, state)

@@ -3,15 +3,25 @@ so Hydra's list syntax picks several: `callbacks=[ema]`. A callback of a user's 
 and a yaml file beside conf/callbacks/ema.yaml naming it.
 
 Every rank calls every method at the same moment (a callback may run collectives: validating, gathering shards);
-only rank 0 writes, through the trainer's writer. What `state_dict` returns is saved in each checkpoint, under
-`callbacks.<name>`, and given back to `load_state_dict` on resume.
+only rank 0 writes, through the trainer's writer: `trainer.writer.log_metrics({"train/my_metric": value}, step)` logs
+a metric (a float, the same on every rank; the other ranks' writer drops it). What `state_dict` returns is saved in
+each checkpoint, under `callbacks.<name>`, and given back to `load_state_dict` on resume.
+
+The gradient hooks (`on_before_optimizer_step`, `on_after_clipping`) and `on_optimizer_step` act on the state every
+rank holds alike, and draw random numbers alike: torch's generators are seeded there from the run's seed and the step,
+not the rank (hydraloop.seeding), so `torch.randn_like(param.grad)` is the same on every rank and the same as one
+process draws, under every strategy and accumulation. Python's `random` and numpy's are per rank: draw from torch's.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
 from hydra.utils import instantiate
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
 
 from hydraloop.errors import ConfigError, unwrap_instantiation
 
@@ -29,6 +39,22 @@ class Callback:
     def setup(self, trainer: Trainer) -> None:
         """Once, when the loop is built: the model is wrapped by its strategy and holds its first (or loaded)
         weights; a checkpoint's state comes after, through `load_state_dict`."""
+
+    def on_before_optimizer_step(
+        self, trainer: Trainer, state: TrainState, optimizer_name: str, optimizer: Optimizer
+    ) -> None:
+        """Before each step of each optimizer (Lightning's moment of the same name), with its parameters' gradients
+        as the step takes them: reduced over the ranks and the micro-batches (the global batch's mean), unscaled
+        (fp16's loss scale divided out), not yet clipped; a callback may read or change them (`param.grad`). Under
+        FSDP each is a DTensor of which this rank holds a shard: a statistic needs all of them, as
+        `global_grad_norm` below computes. `optimizer_name`: its key under `optimizer` ("" for a plain run's one
+        optimizer). `state.global_step` counts the steps before this one: a metric of this step is logged at
+        `state.global_step + 1`, as train/loss is. Not called for a step skipped for a non-finite loss
+        (trainer.nonfinite_loss=skip); under fp16, a step that the loss scaler skips for gradients that overflowed
+        has called it, with them."""
+
+    def on_after_clipping(self, trainer: Trainer, state: TrainState, optimizer_name: str, optimizer: Optimizer) -> None:
+        """Next, after `trainer.grad_clip_norm`'s clipping (if set): the gradients the optimizer steps with."""
 
     def on_optimizer_step(self, trainer: Trainer, state: TrainState) -> None:
         """After each optimizer step that updated the weights (once per step, whatever the accumulation; not after
@@ -67,6 +93,23 @@ def build_callbacks(node: Any) -> dict[str, Callback]:
                 raise ConfigError(f"callbacks.{name}{cause}") from None
             raise
     return built
+
+
+def has_gradient_hooks(callbacks: dict[str, Callback]) -> bool:
+    """Whether a callback has a gradient hook of its own: the step calls them (and unscales fp16's gradients for
+    them) only then."""
+    hooks = ("on_before_optimizer_step", "on_after_clipping")
+    return any(getattr(type(c), hook) is not getattr(Callback, hook) for c in callbacks.values() for hook in hooks)
+
+
+def global_grad_norm(optimizer: Optimizer, norm_type: float = 2.0) -> Tensor:
+    """The norm of all the gradients `optimizer` steps with, over all of them (every rank's shards under FSDP: a
+    collective, which every rank calls), as a plain tensor on the device: the same under every strategy."""
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    norm = torch.nn.utils.get_total_norm(grads, norm_type)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def reported_metrics(task_metrics: list[str], callbacks: dict[str, Callback]) -> list[str]:

@@ -21,6 +21,8 @@ class DataParallelStrategy(SingleDevice):
     """One process; nn.DataParallel scatters each batch over several GPUs and gathers the outputs on the first.
 
     The loop still sees one process with the whole global batch, so sampling and metrics are those of `single`.
+    Its replicas are copies of the one model made anew at each forward and never stepped, so there is one copy of
+    the trained state, as under `single` (`replica_groups`: nothing for hydraloop.replica_check to compare).
     """
 
     def __init__(self, device: str = "auto", device_ids: list[int] | None = None) -> None:

@@ -223,6 +223,9 @@ class DDPStrategy(SingleDevice):
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
 
+    def replica_groups(self) -> list[list[int]]:
+        return [list(range(self.world_size))]  # every rank holds the whole model, stepped alike
+
     def sync_buffers(self, model: nn.Module) -> None:
         # DDP broadcasts rank 0's buffers at the next training forward; validation and the checkpoint come first.
         for buffer in self.unwrap(model).buffers():

@@ -5,7 +5,7 @@ gathers). Every strategy resumes from either kind."""
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from hydraloop.batches import slice_rows
 from hydraloop.checkpoint import by_name
 from hydraloop.errors import ConfigError
 from hydraloop.parallel.ddp import DDPStrategy
+from hydraloop.parallel.shard_draws import whole_tensor_draws
 from hydraloop.sharded_checkpoint import Shards, WrittenShards, keyed_by_position, rekeyed, write_shards
 
 DTYPES = {None: None, "float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -191,8 +192,16 @@ class FSDPStrategy(DDPStrategy):
             for root in roots:
                 root.set_requires_gradient_sync(True)
 
+    def replica_groups(self) -> list[list[int]]:
+        """Plain FSDP: each rank holds shards of its own, copied nowhere. HSDP (`replicate`): the ranks at the same
+        place of each replicate group hold the same shards, a column of the (replicate, shard) mesh."""
+        return self.mesh.mesh.reshape(self.replicate, -1).t().tolist()
+
     def reduce_gradients(self, model: nn.Module, params: Sequence[nn.Parameter]) -> None:
         pass  # the backward has reduce-scattered every gradient: each rank holds its shard of the mean
+
+    def whole_tensor_draws(self) -> AbstractContextManager:
+        return whole_tensor_draws()  # a rank's shard draws its slice of the whole tensor's draws
 
     def reshard(self, model: nn.Module) -> None:
         # Under reshard_after_forward=false a forward leaves each unit's gathered parameters registered in its

@@ -110,6 +110,13 @@ class SingleDevice:
         """After the last backward of an optimizer's pass: the gradients of `params`, the parameters it steps, as the
         mean over the ranks, where the wrapper has not made them so already. Here, one rank: they are."""
 
+    def whole_tensor_draws(self) -> AbstractContextManager:
+        """Around the parts of a step that act on the state every rank holds (the gradient hooks, clipping, the
+        optimizer step, `on_optimizer_step`), whose generators are seeded alike on every rank: random numbers drawn
+        there on a parameter or gradient are the ones one process draws on it. Here every rank holds each whole, and
+        draws alike already: nothing to do."""
+        return nullcontext()
+
     def eval_module(self, model: nn.Module) -> nn.Module:
         """The module to evaluate with: the wrapped one, unless the wrapper communicates in forward."""
         return model
@@ -157,6 +164,11 @@ class SingleDevice:
     def all_reduce(self, tensor: Tensor) -> Tensor:
         """Sums `tensor` over ranks, in place; returns it."""
         return tensor
+
+    def replica_groups(self) -> list[list[int]]:
+        """The ranks that hold the same copy of the trained state (parameters, optimizer and callback states), one
+        list per copy, each rank in one (hydraloop.replica_check compares them). Here, one rank: one copy."""
+        return [[self.rank]]
 
     def teardown(self) -> None:
         pass
