@@ -77,6 +77,65 @@ def test_stopped_then_rerun_equals_uninterrupted(run_train, single):
     assert torch.equal(checkpoint["model"]["lm_head.weight"], checkpoint["model"]["transformer.wte.weight"])
 
 
+RECOMPUTED = {  # tiny models with their dropout on: all of GPT-2's is in modules, all of OPT's in function calls
+    "gpt2": ("AutoModelForCausalLM", "gpt2", {"n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 32}),
+    "gpt2-classifier": (
+        "AutoModelForSequenceClassification",
+        "gpt2",
+        {"n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 32, "pad_token_id": 0},
+    ),
+    "opt": (
+        "AutoModelForCausalLM",
+        "opt",
+        {
+            "hidden_size": 32,
+            "word_embed_proj_dim": 32,
+            "ffn_dim": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "max_position_embeddings": 32,
+            "dropout": 0.1,
+            "attention_dropout": 0.1,
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(RECOMPUTED))
+def test_recomputed_layers_give_the_gradients_of_one_forward_pass(name):
+    """model.gradient_checkpointing (transformers' checkpoint) and trainer.activation_checkpointing (hydraloop's)
+    recompute each layer in the backward pass, where the loop has set no rows (the keyed masks, and the count of
+    functional dropout calls, must be the forward's) and a cache of keys and values would grow a second time."""
+    from hydraloop.activation_checkpointing import checkpoint_activations, checkpointed_classes
+    from hydraloop.keyed_dropout import RowKeys
+    from hydraloop.models.hf import hf_model
+
+    auto_class, model_type, config = RECOMPUTED[name]
+    ids = torch.randint(1, 50, (4, 16), generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([0, 1, 2, 0]) if "Classification" in auto_class else ids
+
+    def gradients(recompute: str | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = hf_model(
+            auto_class,
+            model_type=model_type,
+            config=config,
+            num_labels=3,
+            vocab_size=50,
+            gradient_checkpointing=recompute == "model.gradient_checkpointing",
+        ).train()
+        if recompute == "trainer.activation_checkpointing":
+            checkpoint_activations(model, checkpointed_classes(True, model))
+        with RowKeys(seed=0, rank=0, world_size=1, device=torch.device("cpu"))(3, 0, len(ids)):
+            loss = model(ids, labels=labels).loss
+        loss.backward()  # as the loop's: outside its rows
+        return [parameter.grad for parameter in model.parameters()]
+
+    once = gradients(None)
+    for recompute in ("model.gradient_checkpointing", "trainer.activation_checkpointing"):
+        assert all(torch.equal(a, b) for a, b in zip(once, gradients(recompute))), recompute
+
+
 def test_a_save_pretrained_folder_loads_with_its_weights(tmp_path):
     from hydraloop.models.hf import hf_model
 

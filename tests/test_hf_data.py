@@ -185,13 +185,20 @@ def lines(plays, tmp_path_factory):
     return path
 
 
-def causal_lm(plays, lines, *overrides: str) -> list[str]:
+TINY_GPT2 = ("model.model_type=gpt2", "+model.config.n_layer=1", "+model.config.n_embd=32", "+model.config.n_head=2")
+TINY_GPT2 += ("+model.config.n_positions=32",)
+# OPT calls its dropout as a function (nn.functional.dropout), on its residual branches (0.1 by default).
+TINY_OPT = ("model.model_type=opt", "+model.config.hidden_size=32", "+model.config.word_embed_proj_dim=32")
+TINY_OPT += ("+model.config.ffn_dim=64", "+model.config.num_hidden_layers=2", "+model.config.num_attention_heads=2")
+TINY_OPT += ("+model.config.max_position_embeddings=32", "+model.config.attention_dropout=0.1")
+
+
+def causal_lm(plays, lines, *overrides: str, architecture: tuple[str, ...] = TINY_GPT2) -> list[str]:
     _, tokenizer = plays
     return [
         *["data=hf_lm", f"data.dataset.path={lines}", f"data.dataset.tokenizer={tokenizer}"],
         *["data.dataset.pad_token='<pad>'", "data.batch_size=12", "data.block_size=32", "data.drop_last=false"],
-        *["model=hf", "model.model_type=gpt2", "+model.config.n_layer=1", "+model.config.n_embd=32"],
-        *["+model.config.n_head=2", "+model.config.n_positions=32", "task=language_model", "logger=csv"],
+        *["model=hf", *architecture, "task=language_model", "logger=csv"],
         *["optimizer=sgd", "optimizer.lr=0.5", "trainer.max_epochs=1", *overrides],  # SGD: see classifier()
     ]
 
@@ -220,20 +227,51 @@ def lm_single(run_train, plays, lines):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "overrides",
-    [["parallel=ddp", "parallel.nproc_per_node=2", "trainer.grad_accum_steps=2"], ["trainer.grad_accum_steps=4"]],
-    ids=["ddp-accum", "accum"],
+    [
+        ["parallel=ddp", "parallel.nproc_per_node=2", "trainer.grad_accum_steps=2"],
+        ["trainer.grad_accum_steps=4"],
+        ["parallel=ddp", "parallel.nproc_per_node=2", "model.gradient_checkpointing=true"],
+    ],
+    ids=["ddp-accum", "accum", "ddp-recompute"],
 )
 def test_a_token_weighted_loss_over_padded_texts_trains_the_single_process_weights(
     run_train, plays, lines, lm_single, overrides
 ):
     """Micro-batches hold different numbers of tokens: weighting them by rows would train other weights. The last
-    batch of 1 line leaves 3 of the 4 micro-batches empty, under ddp rank 1 without a row."""
+    batch of 1 line leaves 3 of the 4 micro-batches empty, under ddp rank 1 without a row. Layers recomputed in the
+    backward pass (model.gradient_checkpointing) draw the dropout masks of their forward pass."""
     split = run_train(*causal_lm(plays, lines, *overrides))
     assert split.returncode == 0, split.output
     assert max_param_diff(split.checkpoint()["model"], lm_single.checkpoint()["model"]) < 1e-5
     assert split.metrics["val/loss"] == pytest.approx(lm_single.metrics["val/loss"], rel=1e-5)
     assert split.metrics["val/ppl"] == pytest.approx(lm_single.metrics["val/ppl"], rel=1e-5)
     assert split.checkpoint()["global_step"] == lm_single.checkpoint()["global_step"] == 5
+
+
+@pytest.fixture(scope="module")
+def opt_single(run_train, plays, lines):
+    run = run_train(*causal_lm(plays, lines, architecture=TINY_OPT))
+    assert run.returncode == 0, run.output
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["parallel=ddp", "parallel.nproc_per_node=2"],
+        ["trainer.grad_accum_steps=2", "trainer.activation_checkpointing=true"],
+    ],
+    ids=["ddp", "accum-recompute"],
+)
+def test_dropout_called_as_a_function_trains_the_single_process_weights(run_train, plays, lines, opt_single, overrides):
+    """OPT's dropout is nn.functional.dropout, keyed by its calls' order in the forward pass: the same calls under
+    every split, and in a block recomputed in the backward pass (trainer.activation_checkpointing)."""
+    split = run_train(*causal_lm(plays, lines, *overrides, architecture=TINY_OPT))
+    assert split.returncode == 0, split.output
+    assert "not equal single-process training" not in split.output
+    assert max_param_diff(split.checkpoint()["model"], opt_single.checkpoint()["model"]) < 1e-5
+    assert split.metrics["val/loss"] == pytest.approx(opt_single.metrics["val/loss"], rel=1e-5)
 
 
 @pytest.mark.slow

@@ -5,13 +5,14 @@ import torch
 from torch import nn
 
 from conftest import max_param_diff
-from hydraloop.keyed_dropout import KeyedDropout, RowKeys
+from hydraloop.activation_checkpointing import checkpoint_activations
+from hydraloop.keyed_dropout import KeyedDropout, RowKeys, key_functional_dropout
 from hydraloop.parallel.dataparallel import keyed_replicas
 
 CPU = torch.device("cpu")
 
 
-def dropped(layer: KeyedDropout, x: torch.Tensor, step: int, rank: int = 0, world_size: int = 1, first_row: int = 0):
+def dropped(layer: nn.Module, x: torch.Tensor, step: int, rank: int = 0, world_size: int = 1, first_row: int = 0):
     with RowKeys(seed=0, rank=rank, world_size=world_size, device=CPU)(step, first_row, len(x)):
         return layer(x)
 
@@ -76,3 +77,52 @@ def test_a_tokens_mask_does_not_depend_on_how_long_the_batch_is_padded(layer):
     assert torch.equal(dropped(layer, padded, step=1)[:, :5], dropped(layer, short, step=1))
     attention = torch.ones(3, 2, 9, 9)  # (batch, heads, queries, keys): padded in two dimensions
     assert torch.equal(dropped(layer, attention, step=1)[:, :, :5, :5], dropped(layer, attention[:, :, :5, :5], step=1))
+
+
+class CallsDropout(nn.Module):
+    """A linear layer whose dropout is a function call, as OPT's are, on its rows and tokens flattened together."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.dropout(self.linear(x).flatten(0, 1), 0.5, training=self.training).view_as(x)
+
+
+def calls_dropout() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(CallsDropout(), CallsDropout()).train()
+    key_functional_dropout(model)
+    return model
+
+
+def test_functional_dropout_is_keyed_by_its_order_in_the_forward_pass():
+    model, x = calls_dropout(), torch.randn(8, 3, 4)
+    whole = dropped(model, x, step=7)
+    # Each call below is a forward pass of its own: its calls count from the first again, as the whole batch's did.
+    by_rank = [dropped(model, x[r::2], step=7, rank=r, world_size=2) for r in (0, 1)]
+    assert torch.equal(torch.stack(by_rank, dim=1).reshape(whole.shape), whole)
+    micro = [dropped(model, x[:4], step=7), dropped(model, x[4:], step=7, first_row=4)]
+    assert torch.equal(torch.cat(micro), whole)
+    torch.manual_seed(0)
+    outside = model(x)  # no loop around it: torch's masks
+    torch.manual_seed(0)
+    assert torch.equal(model(x), outside) and not torch.equal(outside, whole)
+
+
+def test_a_recomputed_block_draws_the_functional_masks_its_forward_drew():
+    """The second block's calls are the forward pass's second and later: the recomputation, in the backward pass
+    where the loop has set no rows, must count from there, with the forward's rows."""
+    x = torch.randn(6, 5, 4)
+
+    def gradients(recompute: bool) -> list[torch.Tensor]:
+        model = calls_dropout()
+        if recompute:
+            checkpoint_activations(model, ["CallsDropout"])
+        with RowKeys(seed=0, rank=0, world_size=1, device=CPU)(2, 0, len(x)):
+            loss = model(x).square().sum()
+        loss.backward()  # as the loop's: outside its rows
+        return [parameter.grad for parameter in model.parameters()]
+
+    assert all(torch.equal(once, recomputed) for once, recomputed in zip(gradients(False), gradients(True)))

@@ -5,18 +5,19 @@ depth inside; each costs one more forward.
 Applied through PyTorch's composable `checkpoint` (hooks; the module tree, its names and its checkpoint keys stay as
 they are), before a strategy wraps the model, under every strategy: FSDP gathers a unit's parameters again for its
 recomputation, as for its backward. The recomputation draws the dropout masks the forward drew: plain nn.Dropout
-through the generator state the checkpoint restores, KeyedDropout because the recomputation sees the rows and step
-the forward saw (the training loop sets them only around the forward, and the backward comes later).
+through the generator state the checkpoint restores, keyed dropout because the recomputation sees the rows, step and
+functional dropout calls the forward saw (keyed_dropout.same_masks_in_recompute: the training loop sets them only
+around the forward, and the backward comes later). A Hugging Face model keeps no key/value cache in training
+(models/hf.py), which a recomputation would append to a second time.
 """
 
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from torch import nn
 from torch.distributed._composable import checkpoint
 
 from hydraloop.errors import ConfigError
-from hydraloop.keyed_dropout import current_rows, rows_of
+from hydraloop.keyed_dropout import same_masks_in_recompute
 
 
 def checkpointed_classes(setting: Any, model: nn.Module) -> list[str]:
@@ -51,17 +52,8 @@ def checkpoint_activations(model: nn.Module, classes: list[str]) -> None:
     chosen: list[str] = []
     for name, module in model.named_modules():  # pre-order: an outer module comes before what it holds
         if type(module).__name__ in classes and not any(name.startswith(f"{outer}.") for outer in chosen):
-            checkpoint(module, context_fn=_same_rows)
+            checkpoint(module, context_fn=same_masks_in_recompute)
             chosen.append(name)
-
-
-def _same_rows() -> tuple[AbstractContextManager, AbstractContextManager]:
-    """(the forward's context, the recomputation's): the recomputation sees the rows and step the forward saw."""
-    rows = current_rows()
-    if rows is None:
-        return nullcontext(), nullcontext()
-    saved = tuple(tensor.clone() for tensor in rows)  # the loop refills its tensors for the next micro-batch
-    return nullcontext(), rows_of(*saved)
 
 
 def _classes(model: nn.Module) -> list[str]:

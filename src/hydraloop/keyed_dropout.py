@@ -8,11 +8,16 @@ k-th micro-batch. Training with dropout then ends with the same weights under ev
 
 The training loop says, around each forward pass, which rows of the global batch the local batch holds
 (`global_rows`); anywhere else (evaluation, a model called by hand) KeyedDropout is plain nn.Dropout.
+
+A model that calls dropout as a function (`nn.functional.dropout`: OPT, BART, Whisper in transformers) has no layer
+to replace: `key_functional_dropout(model)` keys those calls by their order in the model's forward pass, the n-th call
+being a layer of its own. An activation checkpoint's recomputation runs in the backward pass, where the loop has set
+no rows: `same_masks_in_recompute` (its `context_fn`) gives it the rows, step and call count the forward saw.
 """
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import numpy as np
 import torch
@@ -36,15 +41,20 @@ class _Rows(threading.local):
     active = False
     rows: Tensor
     step_key: Tensor
+    # Functional dropout calls so far in the forward pass of a model that keys them (key_functional_dropout), and
+    # how deep in such models' forward passes this thread is; None outside them.
+    calls: int | None = None
+    depth = 0
 
 
 _current = _Rows()
+_torch_dropout = F.dropout  # torch's own, before key_functional_dropout installs the keyed one
 
 
 @contextmanager
 def rows_of(rows: Tensor, step_key: Tensor) -> Iterator[None]:
-    """In this thread, the batch computed holds global rows `rows` (for DataParallel's replica threads). Nested (an
-    activation checkpoint's recomputation), the outer rows hold again after."""
+    """In this thread, the batch computed holds global rows `rows` (the loop's, and DataParallel's replica threads').
+    The outer rows, if any, hold again after."""
     outer = (_current.active, getattr(_current, "rows", None), getattr(_current, "step_key", None))
     _current.active, _current.rows, _current.step_key = True, rows, step_key
     try:
@@ -56,6 +66,27 @@ def rows_of(rows: Tensor, step_key: Tensor) -> Iterator[None]:
 def current_rows() -> tuple[Tensor, Tensor] | None:
     """(rows, step key) of the batch this thread computes, if the training loop set them."""
     return (_current.rows, _current.step_key) if _current.active else None
+
+
+def same_masks_in_recompute() -> tuple[AbstractContextManager, AbstractContextManager]:
+    """An activation checkpoint's `context_fn` (torch.utils.checkpoint's with use_reentrant=False, and the composable
+    checkpoint's): (the forward's context, the recomputation's). The recomputation runs in the backward pass, where
+    the loop has set no rows: it sees the rows, step and functional dropout calls the forward saw where the
+    checkpointed function began, and so draws the forward's keyed masks."""
+    if not _current.active:
+        return nullcontext(), nullcontext()
+    # Copies: the loop refills its tensors for the next micro-batch before this one's backward pass.
+    return nullcontext(), _as_in_forward(_current.rows.clone(), _current.step_key.clone(), _current.calls)
+
+
+@contextmanager
+def _as_in_forward(rows: Tensor, step_key: Tensor, calls: int | None) -> Iterator[None]:
+    outer = (_current.active, _current.rows, _current.step_key, _current.calls)
+    _current.active, _current.rows, _current.step_key, _current.calls = True, rows, step_key, calls
+    try:
+        yield
+    finally:
+        _current.active, _current.rows, _current.step_key, _current.calls = outer
 
 
 class RowKeys:
@@ -119,21 +150,63 @@ def draws_keyed_masks(model: nn.Module) -> bool:
 
 
 def keyed_dropout(x: Tensor, p: float, key_term: int) -> Tensor:
-    """Dropout of `x` (rows first) in training: keyed by the loop's rows where it set them, else plain F.dropout.
-    `key_term` is `mix_int` of the layer's key (KeyedDropout's; models/hf.py's for attention weights)."""
+    """Dropout of `x` (rows first, or rows times tokens) in training: keyed by the loop's rows where it set them,
+    else plain F.dropout. `key_term` is `mix_int` of the layer's key (KeyedDropout's; models/hf.py's for attention
+    weights; the call's for functional dropout)."""
     keys = current_rows()
     if keys is None or not len(keys[0]):  # none set; or a micro-batch of no rows, which a model ran as a dummy row
-        return F.dropout(x, p, training=True)
+        return _torch_dropout(x, p, training=True)
     rows, step_key = keys
+    shape = x.shape
+    if shape[0] != len(rows):  # a model that flattened (rows, tokens) into one dimension: OPT's feed-forward
+        if shape[0] % len(rows):
+            raise ValueError(
+                f"keyed dropout of a tensor of shape {tuple(shape)}: its first dimension is neither the batch's "
+                f"{len(rows)} rows nor a multiple of them"
+            )
+        shape = (len(rows), shape[0] // len(rows), *shape[1:])
     # An element's key is hashed from its coordinates one dimension at a time, not from its offset in the row: the
     # token at position t of a sample gets the same mask however long the batch is padded (each rank and each
     # micro-batch pads to its own longest sample). The hashes before the last dimension are small tensors.
     element_keys = _mix(rows + step_key * _GOLDEN + key_term)
-    for size in x.shape[1:]:
+    for size in shape[1:]:
         coordinates = torch.arange(size, dtype=torch.int64, device=x.device) * _GOLDEN
         element_keys = _mix(element_keys[..., None] + coordinates)
-    keep = _uniform(element_keys) >= p
+    keep = (_uniform(element_keys) >= p).view(x.shape)
     return x * keep.to(x.dtype) / (1.0 - p)
+
+
+def key_functional_dropout(model: nn.Module) -> None:
+    """`model`'s calls of `torch.nn.functional.dropout` (its own, and its modules') draw keyed masks: the n-th call in
+    its forward pass is keyed as a layer of its own. torch's function is replaced by one that is torch's own outside
+    such a forward pass (in any thread: DataParallel's replicas count in theirs), and outside the loop's rows."""
+    if F.dropout is not _dropout_keyed_by_call:
+        F.dropout = _dropout_keyed_by_call  # models look it up when they call it (nn.functional.dropout, F.dropout)
+    model.register_forward_pre_hook(_count_calls)
+    model.register_forward_hook(_stop_counting_calls, always_call=True)
+
+
+def _count_calls(module: nn.Module, args: tuple) -> None:
+    if _current.depth == 0:  # a model that keys its calls, called inside another, counts on from the outer's
+        _current.calls = 0
+    _current.depth += 1
+
+
+def _stop_counting_calls(module: nn.Module, args: tuple, outputs: object) -> None:
+    _current.depth -= 1
+    if _current.depth == 0:
+        _current.calls = None
+
+
+def _dropout_keyed_by_call(input: Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Tensor:
+    """torch.nn.functional.dropout, keyed in the forward pass of a model that asked for it, where the loop set the
+    rows (or a checkpoint's recomputation of it); torch's own anywhere else."""
+    calls = _current.calls
+    if calls is None or not _current.active or not training or not 0.0 < p < 1.0:
+        return _torch_dropout(input, p, training, inplace)
+    _current.calls = calls + 1
+    dropped = keyed_dropout(input, p, mix_int(2 << 40 | calls))  # apart from KeyedDropout's and attention's keys
+    return input.copy_(dropped) if inplace else dropped
 
 
 def _mix(z: Tensor) -> Tensor:

@@ -12,11 +12,17 @@ the attention weights), so single-process training, ddp and accumulation would e
 `keyed_dropout=true` (the default) replaces every nn.Dropout with hydraloop's KeyedDropout and computes attention
 through `hydraloop_keyed`, an attention function whose dropout is keyed the same way (hydraloop.keyed_dropout):
 every strategy then trains the same weights. It computes attention with torch's scaled_dot_product_attention when no
-dropout applies (evaluation, or no attention dropout), and otherwise explicitly (softmax, then the keyed mask).
+dropout applies (evaluation, or no attention dropout), and otherwise explicitly (softmax, then the keyed mask). A model
+that calls dropout as a function (OPT, BART, Whisper) has those calls keyed by their order in its forward pass
+(keyed_dropout.key_functional_dropout). `gradient_checkpointing=true` recomputes with the forward's keys.
+
+In training the model keeps no cache of keys and values: nothing reads it there, and a block that an activation
+checkpoint recomputes (trainer.activation_checkpointing) would append its keys and values to it a second time.
 """
 
 import difflib
 import importlib.util
+import inspect
 import logging
 import sys
 from collections.abc import Mapping
@@ -27,7 +33,13 @@ import torch
 from torch import Tensor, nn
 
 from hydraloop.errors import ConfigError, first_line, require
-from hydraloop.keyed_dropout import KeyedDropout, keyed_dropout, mix_int
+from hydraloop.keyed_dropout import (
+    KeyedDropout,
+    key_functional_dropout,
+    keyed_dropout,
+    mix_int,
+    same_masks_in_recompute,
+)
 
 KEYED_ATTENTION = "hydraloop_keyed"
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # what from_pretrained reads (either may be sharded)
@@ -112,13 +124,30 @@ def hf_model(
     if keyed_dropout:
         use_keyed_dropout(model)
     take_batches_of_no_rows(model)
+    train_without_cache(model)
     if gradient_checkpointing:
         require(
             model.supports_gradient_checkpointing,
             f"model.gradient_checkpointing=true: {type(model).__name__} does not support it",
         )
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # The recomputation runs in the backward pass: it draws the forward's keyed masks only if given its keys.
+        recompute = {"use_reentrant": False, "context_fn": same_masks_in_recompute}
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=recompute)
     return model
+
+
+def train_without_cache(model: nn.Module) -> None:
+    """In training (with gradients), `model` is called with use_cache=False, as transformers does for its own
+    gradient checkpointing: a recomputed block would append its keys and values to the cache a second time."""
+    if "use_cache" not in inspect.signature(model.forward).parameters:  # an encoder, say: it keeps no cache
+        return
+
+    def before(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if module.training and torch.is_grad_enabled():
+            kwargs["use_cache"] = False
+        return args, kwargs
+
+    model.register_forward_pre_hook(before, with_kwargs=True)
 
 
 def take_batches_of_no_rows(model: nn.Module) -> None:
@@ -258,7 +287,9 @@ def _check_sizes(config: Any, vocab_size: int | None, lengths: dict[str, int | N
 
 def use_keyed_dropout(model: nn.Module) -> None:
     """Every nn.Dropout becomes a KeyedDropout of the same p, keyed by its place in the model; every module gets
-    the key its attention weights' dropout draws with (`keyed_attention`)."""
+    the key its attention weights' dropout draws with (`keyed_attention`); calls of nn.functional.dropout are keyed
+    by their order in the forward pass."""
+    key_functional_dropout(model)
     replaced = 0
     for index, module in enumerate(list(model.modules())):
         module.keyed_dropout_key = mix_int(1 << 40 | index)  # apart from the KeyedDropouts' keys below
