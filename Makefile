@@ -22,8 +22,8 @@ train:  ## one training run: make train ARGS="experiment=mnist1d_cnn"
 test:  ## the whole test suite, as CI runs it (after setup)
 	bash scripts/test.sh $(ARGS)
 
-test-fast:  ## the tests not marked slow (no DDP jobs, no multi-epoch runs)
-	$(PYTHON) -m pytest -m "not slow" $(ARGS)
+test-fast:  ## the fast tier, after each change: configs, experiments' first steps, one ddp/fsdp-equals-single, bad input
+	$(PYTHON) -m pytest -m fast -n 2 --dist worksteal $(ARGS)
 
 lint:  ## ruff lint and format check (no changes)
 	$(VENV)/bin/ruff check .

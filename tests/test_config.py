@@ -14,6 +14,8 @@ from hydraloop.data.loaders import ShardSampler, build_loaders
 from hydraloop.optim import config_key, optimizer_factory, optimizer_nodes
 from hydraloop.seeding import epoch_seed
 
+pytestmark = pytest.mark.fast  # composing and checking configs: the fast tier
+
 PARALLEL = ("single", "dataparallel", "ddp")
 DATA = ("digits", "mnist1d", "synthetic")
 MODELS = ("mlp", "cnn")

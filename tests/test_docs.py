@@ -10,6 +10,8 @@ import pytest
 from conftest import REPO
 from hydraloop.command_line import check_command_line
 
+pytestmark = pytest.mark.fast  # composing and checking configs: the fast tier
+
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 FENCE = re.compile(r"```.*?```", re.S)

@@ -19,6 +19,7 @@ def single_2_epochs(run_train):
     return run
 
 
+@pytest.mark.fast  # the fast tier's one ddp-equals-single
 def test_ddp_two_ranks_matches_single(run_train, single_2_epochs):
     ddp = run_train("parallel=ddp", "parallel.nproc_per_node=2", "trainer.max_epochs=2")
     assert ddp.returncode == 0, ddp.output
@@ -31,6 +32,7 @@ def test_ddp_two_ranks_matches_single(run_train, single_2_epochs):
     assert ddp.metrics["train/loss"] == pytest.approx(single_2_epochs.metrics["train/loss"], rel=1e-5)
 
 
+@pytest.mark.fast
 def test_dataparallel_on_cpu_is_single(run_train, single_2_epochs):
     dp = run_train("parallel=dataparallel", "trainer.max_epochs=2")
     assert dp.returncode == 0, dp.output

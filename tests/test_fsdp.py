@@ -34,6 +34,7 @@ def fsdp_2_epochs(run_train):
 
 
 @pytest.mark.slow
+@pytest.mark.fast  # the fast tier's one fsdp-equals-single
 def test_fsdp_two_ranks_matches_single(single_2_epochs, fsdp_2_epochs):
     single, fsdp = single_2_epochs, fsdp_2_epochs
     assert fsdp.metrics["world_size"] == 2

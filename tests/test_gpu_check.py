@@ -8,6 +8,8 @@ import pytest
 from conftest import REPO
 from hydraloop.command_line import check_command_line
 
+pytestmark = pytest.mark.fast  # composing and checking configs: the fast tier
+
 spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
 gpu_check = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gpu_check)
