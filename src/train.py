@@ -10,7 +10,7 @@ import gc
 # The imports below create about half a million objects that live as long as the process (torch, Hydra,
 # torch._dynamo). The cyclic collector, triggered by allocation counts, would re-scan them again and again while they
 # are created: pausing it during the imports, then freezing what they made out of later collections, brings the first
-# training step about 1 s sooner (README, benchmark (b)). The run itself collects as usual.
+# training step about 1 s sooner (docs/benchmarks.md, benchmark (b)). The run itself collects as usual.
 gc.disable()
 
 import atexit
@@ -20,6 +20,7 @@ import sys
 import traceback
 import warnings
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 import hydra
@@ -73,6 +74,7 @@ from hydraloop.run_records import held_until_accepted, holds_training_run
 from hydraloop.run_writer import NullRunWriter, RunWriter
 from hydraloop.seeding import seed_everything
 from hydraloop.trainer import Trainer, planned_steps, schedule_plan
+from hydraloop.trial import first_call_named, named_option
 
 gc.freeze()
 gc.enable()
@@ -102,10 +104,9 @@ def train(cfg: DictConfig, job: JobInfo) -> dict:
         cause = unwrap_instantiation(error)
         if isinstance(cause, (ConfigError, TrainingDiverged, StorageError, Interrupted, WorkerFailed)):
             raise cause from None
-        if peer_gone(error):  # the consequence of another rank's failure, which the launcher reports
-            log.error("a collective failed: another rank is gone (%s)", first_line(error))
-        else:
-            log.exception("training failed")
+        if peer_gone(error):  # the consequence of another rank's failure, which the launcher (or torchrun) names
+            raise WorkerFailed(f"a collective failed: another rank is gone ({first_line(error)})") from None
+        log.exception("training failed")
         error.logged = True  # its traceback is in the log: the launcher of ranks run in this process says one line
         raise
     strategy.teardown()
@@ -146,6 +147,7 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice, job: JobInfo) -> dict
         on_device=cfg.data.on_device,
         prefetch_factor=cfg.data.prefetch_factor,
         limit_train_batches=cfg.trainer.limit_train_batches,
+        limit_train_samples=cfg.trainer.limit_train_samples,
     )
 
     seed_everything(cfg.seed)  # the same on every rank: DDP starts from the weights single-process starts from
@@ -231,15 +233,19 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice, job: JobInfo) -> dict
     )
     if checkpoint:
         trainer.load_callback_states(checkpoint.get("callbacks", {}))
-    if cfg.mode == "eval":
-        metrics = trainer.validate(val_loader, state)
-    else:
-        with stop_request:  # SIGTERM / SIGUSR1: checkpoint where the ranks next meet, then stop
-            metrics = trainer.fit(train_loader, val_loader, state)
-        if cfg.trainer.eval_best:
-            metrics.update(evaluate_best(cfg, strategy, trainer))
-    metrics.update({"model/params": num_params, "model/trainable_params": trainable})
-    writer.finish(metrics)
+    # A stop signal while training (SIGTERM, SIGUSR1, SIGUSR2): a checkpoint where the ranks next meet, then a stop;
+    # one at or after the last step's meeting lets the run finish, metrics.json included (hydraloop.preemption).
+    with stop_request if cfg.mode == "train" else nullcontext():
+        # What the launcher's trial batch could not try (hydraloop.trial): the model's first call failing is one line.
+        with first_call_named(strategy.unwrap(model), named_option(cfg, "model")):
+            if cfg.mode == "eval":
+                metrics = trainer.validate(val_loader, state)
+            else:
+                metrics = trainer.fit(train_loader, val_loader, state)
+            if cfg.trainer.eval_best:
+                metrics.update(evaluate_best(cfg, strategy, trainer))
+        metrics.update({"model/params": num_params, "model/trainable_params": trainable})
+        writer.finish(metrics)
     return metrics
 
 
@@ -248,7 +254,7 @@ def evaluate_best(cfg: DictConfig, strategy: SingleDevice, trainer: Trainer) -> 
     None if this run directory has no best.pt (a run with nothing left to train saves none): said in one line."""
     strategy.all_reduce(torch.zeros(1, device=strategy.device))  # a barrier: rank 0 has written best.pt
     path = Path(cfg.output_dir) / "checkpoints" / "best.pt"
-    if not path.is_file():
+    if not path.exists():  # a file, or a sharded checkpoint's folder (parallel=fsdp: a link to its step's folder)
         log.warning("trainer.eval_best=true: %s does not exist: this run saved no checkpoint into its directory", path)
         return {}
     checkpoint = load_checkpoint(path)
@@ -275,7 +281,8 @@ def importable(function: Callable) -> Callable:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> float:
     """Checks the config, starts the ranks, and returns `optimized_metric` to Hydra's sweepers. Nothing is written
-    into the run directory before every check has passed (hydraloop.run_records)."""
+    into the run directory before every check has passed, and a refused command leaves it as it was
+    (hydraloop.run_records)."""
     with exit_on_error(), held_until_accepted(cfg.output_dir) as records:
         check_required(cfg)  # before resolving, which would fail on a `???` with a traceback
         # Resolved here, where Hydra's resolvers work: worker processes get plain values and never touch Hydra.
@@ -284,6 +291,7 @@ def main(cfg: DictConfig) -> float:
         take_machine_share()  # under hydra/launcher=joblib: this job's GPUs and cores, before CUDA is asked
         strategy = instantiate(cfg.parallel, device=cfg.device)
         setup_rank_logging(strategy.rank, cfg.log_file)  # under torchrun or SLURM every rank runs main: log once
+        check_launch(cfg, strategy)  # all that the config and the environment tell, before the directory's lock
         # The launcher of spawned ranks, or rank 0 where every rank runs main, owns the run directory; a directory
         # another live run owns, or one that cannot be written, is refused here.
         with owned_run_directory(cfg.output_dir, cfg.log_file, owner=strategy.is_main_process):
@@ -293,19 +301,18 @@ def main(cfg: DictConfig) -> float:
                 f"{cfg.mode} run would write its own metrics.json and logs over them: give it a directory of its own "
                 "(without hydra.run.dir, a new one under outputs/)",
             )
-            check_launch(cfg, strategy)
             ckpt_path = checkpoint_to_resume(cfg, report=strategy.is_main_process)
             if ckpt_path:
                 check_resumable(ckpt_path, cfg)
-                finished = finished_records(ckpt_path, cfg)
-                if finished is not None:
-                    log.info(
-                        "run directory %s: finished at step %d; its records are left as they are",
-                        cfg.output_dir,
-                        finished["global_step"],
-                    )
-                    records.drop()
-                    return finished.get(cfg.optimized_metric)
+            finished = finished_records(ckpt_path, cfg, composed)
+            if finished is not None:
+                log.info(
+                    "run directory %s: finished at step %d; its records are left as they are",
+                    cfg.output_dir,
+                    finished["global_step"],
+                )
+                records.drop()
+                return finished.get(cfg.optimized_metric)
             records.accept(composed, write_config=strategy.is_main_process)
             log.info("run directory: %s (the resolved config is in train.log)", cfg.output_dir)
             log.info("resolved config:\n%s", OmegaConf.to_yaml(cfg).rstrip(), extra=JOB_LOG_ONLY)

@@ -208,3 +208,78 @@ class NudgeOnOneRank(Callback):
             tensor = next(moments[key] for key in sorted(moments) if moments[key].dim())
         first = (tensor.to_local() if hasattr(tensor, "to_local") else tensor).view(-1)[:1]
         first.copy_(torch.nextafter(first, torch.full_like(first, math.inf)))
+
+
+class SlowStartMLP(MLP):
+    """Waits in its constructor where a rank builds it for real (the launcher builds models on the meta device only):
+    the run directory is taken and the run accepted, and the training loop not started. Writes its process id to
+    `pause_file`, then waits until `resume_file` exists (two minutes at most)."""
+
+    def __init__(self, *args, pause_file: str, resume_file: str, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if next(self.parameters()).is_meta:
+            return
+        with open(pause_file + ".tmp", "w") as file:
+            file.write(str(os.getpid()))
+        os.replace(pause_file + ".tmp", pause_file)
+        deadline = time.monotonic() + 120
+        while not os.path.exists(resume_file) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+class RankDependentMLP(MLP):
+    """An MLP whose classifier reads the rank in training, as a layer that reads RANK or keeps a generator per
+    process would: rank r scales the logits by 1 + r / 10. Single-process training is rank 0 alone, so every
+    strategy of 2 ranks trains other weights (scripts/check_exact.py must fail on it)."""
+
+    def forward(self, x):
+        out = super().forward(x)
+        return out * (1 + int(os.environ.get("RANK", 0)) / 10) if self.training else out
+
+
+class StopSignalAt(Callback):
+    """A callback that sends SIGTERM to the run's launcher, as a scheduler would, from rank 0 at a chosen moment:
+    after optimizer step `at_step` (`during=step`), or in the validation of step `at_step` (`during=validation`),
+    once that validation's metrics are known. The launcher is this process where the run trains in it
+    (parallel=single), the parent of a rank that torch.distributed.elastic started (spawned ranks, torchrun)."""
+
+    def __init__(self, at_step: int, during: str = "step") -> None:
+        self.at_step, self.during = at_step, during
+
+    def on_optimizer_step(self, trainer, state) -> None:
+        if self.during == "step":
+            self._signal(state.global_step)
+
+    def on_validation(self, trainer, state, metrics) -> dict[str, float]:
+        if self.during == "validation":
+            self._signal(state.global_step)
+        return {}
+
+    def _signal(self, step: int) -> None:
+        if int(os.environ.get("RANK", 0)) == 0 and step == self.at_step:
+            launcher = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
+            os.kill(launcher, signal.SIGTERM)
+
+
+class WaitingInFirstAttemptMLP(MLP):
+    """Every rank of the job's first attempt (TORCHELASTIC_RESTART_COUNT 0) writes its process id to
+    `<pid_dir>/<RANK>` in training step `wait_at_step`, then waits there until `resume_file` exists (two minutes at
+    most): a test can act on chosen ranks (kill a node) while every rank is certainly in that step. A restarted
+    attempt trains on without waiting."""
+
+    def __init__(self, *args, wait_at_step: int, pid_dir: str, resume_file: str, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.wait_at_step, self.pid_dir, self.resume_file, self.steps = wait_at_step, pid_dir, resume_file, 0
+
+    def forward(self, x):
+        if self.training:
+            self.steps += 1
+            if self.steps == self.wait_at_step and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+                path = os.path.join(self.pid_dir, os.environ.get("RANK", "0"))
+                with open(path + ".tmp", "w") as file:
+                    file.write(str(os.getpid()))
+                os.replace(path + ".tmp", path)
+                deadline = time.monotonic() + 120
+                while not os.path.exists(self.resume_file) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+        return super().forward(x)

@@ -111,7 +111,10 @@ def test_nccl_with_more_processes_than_gpus(run_refused):
     gpus = torch.cuda.device_count()
     nproc = max(2, gpus + 1)
     run = run_refused("parallel=ddp", "parallel.backend=nccl", f"parallel.nproc_per_node={nproc}")
-    assert_rejected(run, f"parallel.nproc_per_node={nproc}", f"only {gpus} GPU(s) visible")
+    if gpus:
+        assert_rejected(run, f"parallel.nproc_per_node={nproc}", f"only {gpus} GPU(s) visible")
+    else:  # no GPU at all: the backend is what does not fit, whatever the number of processes
+        assert_rejected(run, "parallel.backend=nccl", "this run computes on the CPU (no GPU is visible)")
 
 
 def test_ddp_with_zero_processes(run_refused):

@@ -14,7 +14,17 @@ import torch
 
 from conftest import REPO, TRAIN, bad_input_line, free_port
 
+pytestmark = pytest.mark.fast  # the bad-input table, through the fork server: the fast tier
+
 SEARCH = "hparams_search=mnist1d_optuna"
+TENSORS = ("data=tensors", "data.input_shape=[3]", "data.num_classes=3")
+TINY_HF = (
+    "model=hf",
+    "model.model_type=gpt2",
+    "+model.config.n_layer=1",
+    "+model.config.n_embd=16",
+    "+model.config.n_head=2",
+)
 ROWS = [
     # Hydra's composition: a misspelt key, a wrong type, a key of another option, a sweep without -m.
     (["trainer.max_epchs=1"], "trainer.max_epchs=1: trainer has no key 'max_epchs'; did you mean trainer.max_epochs?"),
@@ -33,6 +43,11 @@ ROWS = [
     (["data=synthetic", "data.input_shape=[0]"], "data.input_shape=[0]: must be positive sizes"),
     (["data=text", "data.block_size=-3"], "data.block_size=-3: must be positive"),  # the key given, not input_shape
     (["parallel=ddp", "parallel.timeout_s=0"], "parallel.timeout_s=0.0: must be a positive number of seconds"),
+    # A warm-up in epochs longer than the run (a recipe's, or scheduler=cosine's default), as one in steps is.
+    (["experiment=diabetes_mlp", "trainer.max_steps=2"], "a warm-up of 11 steps passes the run's 2 steps (11 per"),
+    (["scheduler=cosine", "trainer.max_steps=4"], "scheduler.warmup_epochs=1.0: a warm-up of 22 steps passes the run"),
+    # Hydra would write .hydra/ before any check, over a finished run's.
+    (["hydra.output_subdir=.hydra"], "hydra.output_subdir=.hydra: Hydra would write the config there before any"),
     (["trainer.replica_check_every_n_steps=-1"], "trainer.replica_check_every_n_steps=-1: must be 0 (off), positive"),
     # Every job of a sweep, before the first runs.
     (["-m", "optimizer.lr=0.1,abc,0.01"], "optimizer.lr=abc: must be a positive finite number (in the sweep's job"),
@@ -109,8 +124,68 @@ ROWS = [
     (["data=mnist1d", "data.dataset.cache_dir=A_FILE/cache"], "data.dataset.cache_dir=A_FILE/cache: cannot be written"),
     (["hydra.run.dir=A_FILE/run"], "hydra.run.dir=A_FILE/run: A_FILE is a file, not a folder"),
     (["logger=mlflow", "logger.mlflow.tracking_uri=sqlite:///A_FILE/mlflow.db"], "cannot make the database in A_FILE"),
+    # A model that cannot take the data, or a metric the task's outputs (hydraloop.trial): each used to train until
+    # the first step or validation, then end in a traceback. A model family on data it cannot take:
+    (
+        ["model=torchvision"],
+        "model=torchvision cannot take data=digits's inputs, float32 [2, 1, 8, 8] (data.input_shape=[1, 8, 8]): "
+        "Given groups=1, weight of size [64, 3, 7, 7], expected input[2, 1, 8, 8] to have 3 channels",
+    ),
+    (["model=timm", "data=synthetic"], "model=timm cannot take data=synthetic's inputs, float32 [2, 32]"),
+    (["model=hf", "model.model_type=gpt2"], "model=hf cannot take data=digits's inputs, float32 [2, 1, 8, 8]"),
+    (["model=gan"], "model=gan cannot take data=digits's inputs, float32 [2, 1, 8, 8]"),
+    (["model=gpt"], "model.vocab_size=None: must be a positive integer (data=text sets data.vocab_size)"),
+    (["model=mlp", "data=text", "task=language_model"], "model=mlp cannot take data=text's inputs, int64 [2, 256]"),
+    (["model=cnn", "data=text", "task=language_model"], "model=cnn cannot take data=text's inputs, int64 [2, 256]"),
+    (["experiment=ring_gan", "model=mlp"], "task=adversarial_ring with model=mlp fails on data=ring's batch"),
+    (
+        ["data=text", "task=language_model", *TINY_HF, "model.auto_class=AutoModelForSequenceClassification"],
+        "model=hf cannot take data=text's inputs, int64 [2, 256] (data.input_shape=[256]): Cannot handle batch sizes",
+    ),
+    # A metric, any torchmetrics class, that cannot take a task's outputs; one computing a number per class.
+    (
+        ["+metrics.f1={_target_: torchmetrics.classification.BinaryF1Score}"],
+        "metrics.f1 (BinaryF1Score) cannot take task=classification's outputs, predictions float32 [10, 10] and",
+    ),
+    (
+        ["+metrics.mse={_target_: torchmetrics.MeanSquaredError}"],
+        "metrics.mse (MeanSquaredError, num_outputs=1) cannot take task=",
+    ),
+    (
+        ["+metrics.f1={_target_: torchmetrics.classification.MulticlassF1Score, num_classes: 5}"],
+        "metrics.f1 (MulticlassF1Score, num_classes=5) cannot take task=classification's outputs",
+    ),
+    (
+        ["+metrics.f1={_target_: torchmetrics.classification.MulticlassF1Score, num_classes: 5, validate_args: false}"],
+        "metrics.f1 (MulticlassF1Score, num_classes=5) cannot take",
+    ),  # the stand-in targets hold all 10 classes
+    (
+        ["task=regression", "data=diabetes", "+metrics.acc={_target_: torchmetrics.classification.BinaryAccuracy}"],
+        "metrics.acc (BinaryAccuracy) cannot take task=regression's outputs, predictions float32 [2] and targets",
+    ),
+    (
+        ["+metrics.f1={_target_: torchmetrics.classification.MulticlassF1Score, num_classes: 10, average: null}"],
+        "metrics.f1 (MulticlassF1Score, num_classes=10): computes a tensor of shape [10]",
+    ),
+    (
+        ["+metrics.acc={_target_: torchmetrics.classification.MulticlassAccuracy, num_classes: 10}"],
+        "metrics.acc: val/acc is the task's own metric, which it would overwrite",
+    ),
+    # Labels past data.num_classes: the trial's two rows hold 0 and 1; the whole training set, in memory, is read.
+    (["data.num_classes=5"], "data.num_classes=5: the training set's labels run from 0 to 9, outside [0, 5)"),
+    # Messages that named the wrong thing, or advised what is refused next.
+    (["optimizer.learning_rate=0.01"], "optimizer has no key 'learning_rate'; did you mean optimizer.lr?"),
+    (["trainer.ckpt_path=/a/last.pt"], "trainer has no key 'ckpt_path'; did you mean ckpt_path, at the top level?"),
+    (["model.lr=0.1"], "model has no key 'lr'; did you mean optimizer.lr?"),
+    (
+        ["-m", SEARCH, "hydra.sweeper.params.optimizer.lrr=interval(1e-4,1e-2)"],
+        "the config has no key optimizer.lrr, and a search key is given on the command line as itself, not under "
+        "hydra.sweeper.params: did you mean optimizer.lr=interval(1e-4,1e-2)?",
+    ),
+    (["-m", SEARCH, "optimizer.lrr=interval(1e-4,1e-2)"], "the config has no key optimizer.lrr; did you mean optim"),
+    ([*TENSORS, "data.dataset.path=NOT_NPZ"], "not a .npz file (a zip of .npy arrays, as np.savez writes)"),
+    (["model=hf", "model.name_or_path=EMPTY_DIR"], "model.name_or_path=EMPTY_DIR: the folder has no config.json"),
 ]
-TENSORS = ("data=tensors", "data.input_shape=[3]", "data.num_classes=3")
 TENSOR_FILES = [
     ({"x": np.zeros((10, 3), np.float32), "y": np.arange(10)}, "'y' holds labels from 0 to 9, outside [0,"),
     ({"x": np.zeros((10, 3), np.float32), "y": np.arange(10), "regression": True}, "integer labels; data.target_shape"),
@@ -124,7 +199,10 @@ def made(tmp_path):
     """Files the rows name: a short text, a file in the way of a folder."""
     (tmp_path / "short.txt").write_text("hello")
     (tmp_path / "a-file").write_text("")
-    return {"SHORT_TEXT": str(tmp_path / "short.txt"), "A_FILE": str(tmp_path / "a-file")}
+    (tmp_path / "not.npz").write_bytes(b"not a zip")
+    (tmp_path / "empty").mkdir()
+    named = {"SHORT_TEXT": "short.txt", "A_FILE": "a-file", "NOT_NPZ": "not.npz", "EMPTY_DIR": "empty"}
+    return {name: str(tmp_path / file) for name, file in named.items()}
 
 
 def substituted(items: list[str], made: dict[str, str]) -> list[str]:
@@ -242,6 +320,86 @@ def test_a_truncated_last_checkpoint_names_resume_and_how_to_start_over(run_trai
     error = bad_input_line(run_refused("trainer.max_epochs=2", "logger=none", run_dir=run_dir))
     assert f"resume=true: {run_dir / 'checkpoints' / 'last.pt'}: not a readable checkpoint" in error
     assert error.endswith("(resume=false starts the run directory over)")
+
+
+@pytest.fixture(scope="module")
+def language_model(run_train):
+    """A tiny GPT's checkpoint, trained one step on data=text's characters."""
+    sizes = ("model.n_layer=1", "model.n_head=2", "model.n_embd=16", "data.block_size=16", "data.batch_size=8")
+    run = run_train("model=gpt", "data=text", "task=language_model", *sizes, "trainer.max_steps=1", "logger=none")
+    assert run.returncode == 0, run.output
+    return run.run_dir / "checkpoints" / "last.pt"
+
+
+def test_predicting_with_a_checkpoint_of_another_task_and_data_names_them(run_refused, tmp_path, language_model):
+    """It blamed a tokenizer mismatch (char against byte): every data config looked like byte-level text."""
+    path = tmp_path / "digits.npz"
+    np.savez(path, x=np.zeros((4, 1, 8, 8), np.float32))
+    run = run_refused(
+        "mode=predict", f"ckpt_path={language_model}", f"data.predict_path={path}", run_dir=tmp_path / "r"
+    )
+    expected = f"ckpt_path={language_model}: was trained for task=language_model on data=text, and this run is "
+    assert_refused_before_anything(run, expected + "task=classification on data=digits", tmp_path / "sweep")
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory):
+    """(a data=hf csv of labelled lines, a byte-level BPE tokenizer.json with a <pad> token, trained on them)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    folder = tmp_path_factory.mktemp("texts")
+    lines = [f"line {index} of a {'short' if index % 2 else 'longer'} text" for index in range(40)]
+    (folder / "texts.csv").write_text("text,label\n" + "".join(f"{line},{i % 2}\n" for i, line in enumerate(lines)))
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tokenizer.train_from_iterator(lines, trainers.BpeTrainer(special_tokens=["<pad>"], initial_alphabet=alphabet))
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder / "texts.csv", folder / "tokenizer.json"
+
+
+def test_a_json_file_that_does_not_parse_is_said_once_with_the_parsers_words(run_refused, tmp_path, texts):
+    """datasets logged its own error twice before hydraloop's line, which said only that generating failed."""
+    path = tmp_path / "broken.json"
+    path.write_text('{"text": "a", "label": 0')
+    _, tokenizer = texts
+    hf = ("data=hf", f"data.dataset.path={path}", "data.num_classes=2", f"data.dataset.tokenizer={tokenizer}")
+    run = run_refused(*hf, "data.dataset.pad_token='<pad>'", *TINY_HF, run_dir=tmp_path / "run")
+    expected = f"data.dataset.path={path}: cannot be read as a data set (JSON parse error: Missing a comma"
+    assert_refused_before_anything(run, expected, tmp_path / "sweep")
+    assert len([line for line in run.output.splitlines() if line.strip()]) == 1, run.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_nccl_on_a_machine_without_gpus_names_the_backend_and_gloo(run_refused, tmp_path):
+    """It named parallel.nproc_per_node=2, a default the command line did not set."""
+    run = run_refused("parallel=ddp", "parallel.backend=nccl", run_dir=tmp_path / "run")
+    expected = "parallel.backend=nccl: NCCL reduces CUDA tensors, and this run computes on the CPU (no GPU is visible)"
+    assert_refused_before_anything(run, expected + "; parallel.backend=gloo reduces CPU tensors", tmp_path / "sweep")
+
+
+def test_a_cache_home_that_cannot_be_written_is_named_by_its_variable(train_env, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    command = [sys.executable, str(TRAIN), "data=mnist1d", f"hydra.run.dir={tmp_path / 'run'}"]
+    env = {**train_env, "XDG_CACHE_HOME": str(tmp_path / "a-file")}
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    errors = [line for line in proc.stdout.splitlines() if "[ERROR]" in line]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stdout + proc.stderr, proc.stdout
+    assert (
+        f"XDG_CACHE_HOME={tmp_path / 'a-file'}: the data cache under it, {tmp_path / 'a-file'}/hydraloop," in errors[0]
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_model_failing_in_a_ranks_first_step_is_one_line_naming_it(run_refused, tmp_path):
+    """What the launcher's trial batch of two rows cannot see (hydraloop.trial): the model's first call in a rank,
+    on data.batch_size rows, names the model, its inputs and the line that failed, not a traceback."""
+    run = run_refused("model._target_=tests.structured.TwoRows", run_dir=tmp_path / "run")
+    error = bad_input_line(run)
+    assert (
+        "model._target_=tests.structured.TwoRows cannot take the first batch's inputs, float32 [64, 1, 8, 8]: " in error
+    )
+    assert "mat1 and mat2 shapes cannot be multiplied (2x2048 and 64x128) (at " in error
 
 
 ALONE = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}

@@ -69,14 +69,34 @@ def test_a_stop_at_a_validation_mid_epoch_ends_the_run_with_its_records(train_in
     assert (run_dir / "metrics.json").is_file()
 
 
+@pytest.fixture(scope="module")
+def single_eval_best(run_train):
+    run = run_train(*OVERFITTING, "logger=none", "trainer.eval_best=true")
+    assert run.returncode == 0, run.output
+    return run
+
+
 @pytest.mark.slow
-def test_every_rank_stops_after_the_same_epoch(run_train):
-    single = run_train(*OVERFITTING, "logger=none", "trainer.eval_best=true")
+def test_every_rank_stops_after_the_same_epoch(run_train, single_eval_best):
+    single = single_eval_best
     ddp = run_train(*OVERFITTING, "logger=none", "trainer.eval_best=true", "parallel=ddp")
-    assert single.returncode == 0 and ddp.returncode == 0, single.output + ddp.output
+    assert ddp.returncode == 0, ddp.output
     assert ddp.metrics["stopped_early"] == single.metrics["stopped_early"]
     assert max_param_diff(ddp.checkpoint("best.pt")["model"], single.checkpoint("best.pt")["model"]) < 1e-5
     assert ddp.metrics["best/val/mse"] == pytest.approx(single.metrics["best/val/mse"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_fsdp_evaluates_its_sharded_best_checkpoint_as_single_does(run_train, single_eval_best):
+    """parallel=fsdp's best.pt is a link to a step's folder of shards: eval_best took it for missing, and metrics.json
+    had no best/* (so a rerun did not find the run finished, and wrote metrics.json again)."""
+    fsdp = run_train(*OVERFITTING, "logger=none", "trainer.eval_best=true", "parallel=fsdp")
+    assert fsdp.returncode == 0, fsdp.output
+    assert (fsdp.run_dir / "checkpoints" / "best.pt").is_dir()
+    best = {key: value for key, value in single_eval_best.metrics.items() if key.startswith("best/")}
+    assert {key for key in fsdp.metrics if key.startswith("best/")} == best.keys() >= {"best/val/mse", "best/epoch"}
+    for key, value in best.items():  # best/epoch and best/global_step: the same checkpoint
+        assert fsdp.metrics[key] == pytest.approx(value, rel=1e-5), key
 
 
 @pytest.mark.parametrize(

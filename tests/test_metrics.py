@@ -88,3 +88,19 @@ def test_a_metric_that_cannot_be_is_one_line(node, expected):
 def test_a_constructors_refusal_is_one_line_through_the_command_line(run_train, tmp_path):
     run = run_train("+metrics.f1={_target_: torchmetrics.classification.MulticlassF1Score}", run_dir=tmp_path / "r")
     assert "metrics.f1: MulticlassF1Score says:" in bad_input_line(run) and not (tmp_path / "r").exists()
+
+
+def test_a_regression_metric_is_given_the_outputs_in_the_targets_shape():
+    """A regression model gives (N, 1) for one value per sample, torchmetrics' regression metrics want the targets'
+    (N,): MeanSquaredError refused them at the first validation. They now equal the task's own val/mse and val/r2."""
+    from hydraloop.tasks.regression import Regression
+
+    task = Regression(target_shape=[])
+    node = {"tm_mse": {"_target_": "torchmetrics.MeanSquaredError"}, "tm_r2": {"_target_": "torchmetrics.R2Score"}}
+    task.extra_metrics = MetricSet(node, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(0)
+    outputs, targets = torch.randn(16, 1, generator=generator), torch.randn(16, generator=generator)
+    own = task.metrics_from(task.validation_statistics(lambda inputs: outputs, (torch.zeros(16, 3), targets)).tolist())
+    theirs = task.extra_metrics.compute()
+    assert theirs["val/tm_mse"] == pytest.approx(own["val/mse"], rel=1e-6)
+    assert theirs["val/tm_r2"] == pytest.approx(own["val/r2"], rel=1e-5)

@@ -1,14 +1,17 @@
 """Stopping and starting again: a stop signal checkpoints mid-epoch and a rerun continues to the uninterrupted
 run's result; a dead rank ends the job quickly with its last good checkpoint intact; a restarted job resumes."""
 
+import json
+import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from conftest import TRAIN, max_param_diff, read_checkpoint, torchrun_command, wait_for
+from conftest import TRAIN, free_port, max_param_diff, read_checkpoint, torchrun_command, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -122,3 +125,107 @@ def test_torchrun_max_restarts_resumes_in_the_same_run_directory(tmp_path, train
     assert "checkpoints/last.pt: epoch 1, step 22" in (run_dirs[0] / "train.log").read_text()
     model = read_checkpoint(run_dirs[0] / "checkpoints" / "last.pt")["model"]
     assert max_param_diff(model, uninterrupted_3_epochs.checkpoint()["model"]) < 1e-6
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_1_epoch(run_train):
+    run = run_train("trainer.max_epochs=1", "logger=none")
+    assert run.returncode == 0, run.output
+    return run
+
+
+@pytest.mark.parametrize(
+    "strategy, during, at_step",
+    [
+        (("parallel=single",), "step", 21),  # the ranks agree on it at the last step: it ended the run with 143
+        (("parallel=ddp",), "validation", 22),  # in the final validation: metrics.json written, and 143
+        (("parallel=fsdp", "callbacks=[ema]"), "step", 21),  # 143, and no metrics.json
+    ],
+    ids=["single", "ddp", "fsdp-ema"],
+)
+def test_a_stop_signal_in_the_last_logging_interval_lets_every_strategy_finish(
+    run_train, uninterrupted_1_epoch, strategy, during, at_step
+):
+    """SIGTERM to the launcher (tests.faults.StopSignalAt) in the last of 22 steps' logging intervals (21-22), or
+    after it: nothing is left to stop for, so every strategy ends the run as it would have ended, exit 0 with
+    metrics.json, and a rerun of the command finds it finished."""
+    command = (
+        *strategy,
+        "trainer.max_epochs=1",
+        "logger=none",
+        "+callbacks.stop._target_=tests.faults.StopSignalAt",
+        f"+callbacks.stop.at_step={at_step}",
+        f"+callbacks.stop.during={during}",
+    )
+    run = run_train(*command, timeout=150)
+    assert run.returncode == 0, run.output
+    assert "got SIGTERM" in run.log and "SIGTERM came at or after the run's last step" in run.log
+    assert run.metrics["global_step"] == run.checkpoint()["global_step"] == 22
+    expected = uninterrupted_1_epoch.checkpoint()
+    assert max_param_diff(run.checkpoint()["model"], expected["model"]) < 1e-5  # per-rank means against one mean
+    assert run.metrics["val/acc"] == pytest.approx(expected["metrics"]["val/acc"])
+
+    rerun = run_train(*command, run_dir=run.run_dir)
+    assert rerun.returncode == 0, rerun.output
+    assert "finished at step 22; its records are left as they are" in rerun.output
+
+
+def test_elastic_torchrun_loses_a_node_and_finishes_alone_as_single_does(tmp_path, train_env, uninterrupted_1_epoch):
+    """Two torchrun agents on this machine, one rank each, in an elastic job (--nnodes=1:2, c10d rendezvous,
+    --max-restarts=1). The second node is lost at step 15 (its agent and its rank killed); the first one's rank then
+    fails its collective, its agent meets the rendezvous again alone and restarts it, and it resumes from the step-10
+    checkpoint at world size 1: the run ends with single-process training's weights. The first node hosts the
+    rendezvous store (is_host): losing that node would end the job."""
+    pids, resume_file, run_dir = tmp_path / "pids", tmp_path / "resume", tmp_path / "run"
+    pids.mkdir()
+    rendezvous = ["--nnodes=1:2", "--nproc_per_node=1", "--rdzv-backend=c10d", "--rdzv-id=elastic", "--max-restarts=1"]
+    rendezvous.append(f"--rdzv-endpoint=localhost:{free_port()}")
+    overrides = (
+        f"hydra.run.dir={run_dir}",
+        "trainer.max_epochs=1",
+        "trainer.ckpt_every_n_steps=10",
+        "logger=none",
+        "parallel.timeout_s=60",
+        "model._target_=tests.faults.WaitingInFirstAttemptMLP",
+        "+model.wait_at_step=15",
+        f"+model.pid_dir={pids}",
+        f"+model.resume_file={resume_file}",
+    )
+    env = {**train_env, "OMP_NUM_THREADS": "1"}  # a core each, as two nodes would have
+
+    def node(is_host: int) -> subprocess.Popen:
+        # The survivor's second rendezvous waits last_call_timeout for other nodes before it starts alone.
+        conf = f"--rdzv-conf=is_host={is_host},last_call_timeout=5"
+        command = torchrun_command(*overrides, launcher_args=(*rendezvous, conf))
+        return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    lost = node(is_host=0)  # a client first: it waits for the store, so the rendezvous fills at once
+    survivor = node(is_host=1)
+    try:
+        for rank in ("0", "1"):
+            wait_for(pids / rank, survivor)
+        ranks = {int((pids / rank).read_text()) for rank in ("0", "1")}
+        lost_rank = next(pid for pid in ranks if _parent(pid) == lost.pid)
+        os.kill(lost_rank, signal.SIGKILL)  # the node is gone: its agent and its rank
+        lost.kill()
+        resume_file.touch()
+        output = survivor.communicate(timeout=240)[0]
+    finally:
+        resume_file.touch()
+        for process in (lost, survivor):
+            process.kill()
+            process.wait()
+    assert survivor.returncode == 0, output
+    # The lost peer, said once by the survivor's rank: no second line claiming a traceback it never printed.
+    assert output.count("a collective failed: another rank is gone") == 1 and "training failed" not in output, output
+    log = (run_dir / "train.log").read_text()
+    assert "checkpoints/last.pt: epoch 0, step 10" in log  # the restarted rank resumed from the last checkpoint
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert (metrics["world_size"], metrics["global_step"]) == (1, 22)
+    final = read_checkpoint(run_dir / "checkpoints" / "last.pt")
+    assert max_param_diff(final["model"], uninterrupted_1_epoch.checkpoint()["model"]) < 1e-5
+
+
+def _parent(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2 :].split()[1])

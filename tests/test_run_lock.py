@@ -4,6 +4,7 @@ gone, an earlier attempt of the same job), and who may not (a live run, one on a
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import TRAIN, wait_for
 from hydraloop.errors import ConfigError
 from hydraloop.run_lock import LOCK_FILE, Owner, release, take
 
@@ -182,3 +184,27 @@ def test_runs_starting_at_once_cannot_both_take_it(tmp_path):
         time.sleep(0.05)
     (tmp_path / "done").touch()
     assert sorted(racer.wait(timeout=60) for racer in racers) == [0, 3, 3, 3, 3, 3]
+
+
+@pytest.mark.slow
+def test_a_stop_signal_while_the_run_starts_releases_the_lock_and_leaves_nothing(train_env, tmp_path):
+    """SIGTERM once the run directory is taken and the run accepted (.hydra/ and train.log written), before the
+    training loop's stop handler exists. The signal's default ended the process there (exit -15), leaving run.lock
+    and what the run had written; now it ends it in one line, exit 143, the lock released and the directory as it
+    was before the command: here, none."""
+    run_dir = tmp_path / "run"
+    model = ("model._target_=tests.faults.SlowStartMLP", f"+model.pause_file={tmp_path / 'paused'}")
+    command = [sys.executable, str(TRAIN), f"hydra.run.dir={run_dir}", "logger=none", *model]
+    command.append(f"+model.resume_file={tmp_path / 'resume'}")
+    process = subprocess.Popen(command, env=train_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(tmp_path / "paused", process)  # the rank builds its model: the loop has not started
+        assert (run_dir / LOCK_FILE).is_file() and (run_dir / ".hydra" / "config.yaml").is_file()
+        os.kill(process.pid, signal.SIGTERM)  # single: the launcher is the rank
+        output = process.communicate(timeout=120)[0]
+    finally:
+        (tmp_path / "resume").touch()
+        process.kill()
+    assert process.returncode == 128 + signal.SIGTERM, output
+    assert "stopped by SIGTERM outside the training loop, without a checkpoint" in output
+    assert not run_dir.exists()

@@ -174,19 +174,27 @@ def check_model(model: Any) -> torch.nn.Module | None:
         return None
 
 
-def check_optimization(optimizer: Any, scheduler: Any, max_steps: int | None = None, key: str = "optimizer") -> None:
+def check_optimization(
+    optimizer: Any,
+    scheduler: Any,
+    max_steps: int | None = None,
+    key: str = "optimizer",
+    plan: tuple[int, int] | None = None,
+) -> None:
     """The optimizer's and the scheduler's checks of their values (torch.optim's `Invalid beta parameter at index 1:
     1.5`), before any rank starts: their constructors, given one CPU parameter. Only bad input is reported, as for
     the model: what else an optimizer cannot do with a CPU parameter (a fused kernel that is GPU-only), the ranks meet
-    for real. The schedule is planned for `max_steps` where it is set (a warm-up longer than the run is refused
-    here), else for a run too long to refuse anything: the ranks, which know the steps per epoch, check the rest."""
+    for real. The schedule is planned as the ranks plan it where `plan` gives (its total steps, the steps per epoch),
+    so that a warm-up in epochs longer than the run is refused here; else for `max_steps` where it is set, else for
+    a run too long to refuse anything."""
     try:
         built = optimizer_factory(optimizer)([torch.zeros(1, requires_grad=True)])
     except Exception as error:  # noqa: BLE001  see above
         raise_refusal(key, optimizer, unwrap_instantiation(error))
         return
+    total_steps, steps_per_epoch = plan or (max_steps or 2**62, 1)
     try:
-        instantiate(scheduler)(built, total_steps=max_steps or 2**62, steps_per_epoch=1)
+        instantiate(scheduler)(built, total_steps=total_steps, steps_per_epoch=steps_per_epoch)
     except Exception as error:  # noqa: BLE001  see above
         raise_refusal("scheduler", scheduler, unwrap_instantiation(error))
 

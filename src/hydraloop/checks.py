@@ -21,16 +21,17 @@ from hydra.core.override_parser.types import ChoiceSweep
 from hydra.errors import HydraException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
-from torch.utils.data import default_collate
+from torch.utils.data import TensorDataset, default_collate
 
 from hydraloop.activation_checkpointing import checkpointed_classes
 from hydraloop.arguments import check_arguments, check_model, check_optimization, raise_refusal, shown
-from hydraloop.batches import check_leaves, count_rows, map_tensors
+from hydraloop.batches import check_leaves, count_rows
 from hydraloop.callbacks import build_callbacks, reported_metrics
 from hydraloop.errors import ConfigError, require, unwrap_instantiation
 from hydraloop.keyed_dropout import has_plain_dropout
 from hydraloop.metrics import MetricSet
 from hydraloop.optim import check_optimizers, config_key, optimizer_nodes, schedule_node
+from hydraloop.trial import try_batch
 
 PRECISIONS = ("32", "bf16", "fp16")
 log = logging.getLogger(__name__)
@@ -45,19 +46,21 @@ def check_launch(cfg: Any, strategy: Any) -> Any:
     check_config(cfg, strategy.world_size)
     check_arguments(cfg)
     apply_token_budget(cfg)
-    if cfg.data.check:  # before the task's checks: an image folder that is missing explains its 0 classes
-        _built(cfg, "data.check")
+    # Before the task's checks: an image folder that is missing explains its 0 classes. Its check gives a sample.
+    checked_sample = _built(cfg, "data.check") if cfg.data.check else None
     task = instantiate(cfg.task)
     check_task(cfg, task, build_callbacks(cfg.callbacks))
-    if not cfg.data.check:
-        check_data(cfg, task)
+    train_samples = None if cfg.data.check else check_data(cfg, task)
+    if checked_sample is not None:  # the trial batch of a data set too costly to build here
+        _check_batch(cfg, task, default_collate([checked_sample, checked_sample]), "data.check")
     model = check_model(cfg.model)
     if cfg.mode == "train" and model is not None:
         checkpointed_classes(cfg.trainer.activation_checkpointing, model)
         check_optimizers(cfg.optimizer, model)
         warn_plain_dropout(model, strategy.world_size, cfg.trainer.grad_accum_steps)
+    plan = planned_schedule(cfg, train_samples) if train_samples else None
     for name, node in optimizer_nodes(cfg.optimizer).items():
-        check_optimization(node, schedule_node(node, cfg.scheduler), cfg.trainer.max_steps, config_key(name))
+        check_optimization(node, schedule_node(node, cfg.scheduler), cfg.trainer.max_steps, config_key(name), plan)
     if cfg.mode == "predict":  # the file fits the model, and gives every rank an input
         inputs = load_inputs(cfg.data.predict_path, cfg.data.input_shape, tokens=task.tokens_per_sample is not None)
         require(
@@ -110,11 +113,12 @@ def apply_token_budget(cfg: Any) -> None:
     )
 
 
-def check_data(cfg: Any, task: Any) -> None:
+def check_data(cfg: Any, task: Any) -> int:
     """The data sets as the ranks will get them: built here (milliseconds for the in-memory ones), so that what their
     constructors refuse (a file's contents, a split, a text shorter than a sample) and what does not fit the batch or
     the task is one line before any rank starts. A data set too costly to build twice gives `data.check` instead, a
-    cheaper check of its own (an image folder's: its layout, and one image through both transform lists)."""
+    cheaper check of its own (an image folder's: its layout, and one image through both transform lists). Returns
+    the training set's size."""
     from hydraloop.data.loaders import check_sizes
 
     train_set, val_set = _built(cfg, "data.dataset")
@@ -123,24 +127,38 @@ def check_data(cfg: Any, task: Any) -> None:
     collate = getattr(train_set, "collate_fn", default_collate)  # a data set's own (data=hf pads its token rows)
     _check_batch(cfg, task, collate([train_set[index] for index in range(min(2, len(train_set)))]), where)
     task.check_sample(train_set[0], where)
+    if isinstance(train_set, TensorDataset):  # every label at once, in memory: a range the trial rows cannot show
+        task.check_all_targets(train_set.tensors[-1], where)
+    return len(train_set)
+
+
+def planned_schedule(cfg: Any, train_samples: int) -> tuple[int, int]:
+    """(total steps, steps per epoch) of the schedule the ranks will plan for a training set of `train_samples`, in
+    their own terms (hydraloop.trainer.schedule_plan): a warm-up in epochs is checked against the run here, before
+    the run directory is touched, as one in steps is."""
+    from hydraloop.checkpoint import TrainState
+    from hydraloop.data.loaders import GlobalBatchSampler
+    from hydraloop.trainer import schedule_plan
+
+    sampler = GlobalBatchSampler(
+        train_samples,
+        cfg.data.batch_size,
+        rank=0,
+        world_size=1,  # an epoch's global batches are the same under every world size
+        seed=cfg.seed,
+        drop_last=cfg.data.drop_last,
+        limit_batches=cfg.trainer.limit_train_batches,
+        limit_samples=cfg.trainer.limit_train_samples,
+    )
+    total_steps = schedule_plan(cfg.trainer.max_steps, cfg.trainer.max_epochs, TrainState(), sampler)[1]
+    return total_steps, sampler.steps_per_epoch
 
 
 def _check_batch(cfg: Any, task: Any, batch: Any, where: str) -> None:
-    """A batch of the training set's first samples: tensors that agree on their rows, which the task can take to
-    the model and read the model's outputs of (tried on the meta device, which computes shapes only). What cannot
-    run on the meta device is left to the ranks."""
+    """A batch of the training set's first samples: tensors that agree on their rows, which the model, the task and
+    every configured metric can take (hydraloop.trial: on the meta device, else on the CPU where that is cheap)."""
     check_leaves(batch, where)
-    model = check_model(cfg.model)  # what its constructor refuses is one line here too, not Hydra's traceback
-    if model is None:
-        return
-    names = [name for name in optimizer_nodes(cfg.optimizer) if name]
-    several = {"optimizer": names[0]} if names else {}  # the first optimizer's loss
-    try:
-        task.training_loss(model, map_tensors(lambda tensor: tensor.to("meta"), batch), **several)
-    except ConfigError as error:
-        raise ConfigError(f"model._target_={cfg.model._target_} on {where}: {error}") from None
-    except Exception:  # noqa: BLE001, S110  an operation the meta device lacks: the ranks meet it for real
-        pass
+    try_batch(cfg, task, batch)
 
 
 def _built(cfg: Any, path: str) -> Any:
@@ -230,9 +248,15 @@ def check_config(cfg: Any, world_size: int) -> None:
     require(nonfinite in ("stop", "skip"), f"trainer.nonfinite_loss={nonfinite}: must be stop or skip")
     precision = str(cfg.trainer.precision)
     require(precision in PRECISIONS, f"trainer.precision={precision}: must be one of {', '.join(PRECISIONS)}")
-    for key in ("limit_train_batches", "limit_val_batches"):
+    for key in ("limit_train_batches", "limit_train_samples", "limit_val_batches"):
         limit = cfg.trainer[key]
         require(limit is None or limit > 0, f"trainer.{key}={limit}: must be positive, or null for no limit")
+    samples = cfg.trainer.limit_train_samples
+    require(
+        samples is None or samples >= batch_size or not cfg.data.drop_last,
+        f"trainer.limit_train_samples={samples}: fewer than data.batch_size={batch_size}; with data.drop_last=true "
+        "an epoch would have no step (set data.drop_last=false)",
+    )
     clip = cfg.trainer.grad_clip_norm
     require(clip is None or clip > 0, f"trainer.grad_clip_norm={clip}: must be positive, or null for no clipping")
     for name, node in optimizer_nodes(cfg.optimizer).items():
@@ -287,6 +311,13 @@ def check_task(cfg: Any, task: Any, callbacks: dict) -> None:
     task.check(cfg)
     _check_optimizer_steps(cfg, task)
     task.extra_metrics = MetricSet(cfg.metrics, torch.device("cpu"))  # each one built: bad input is found here
+    own = task.reported_metrics()
+    for name in task.extra_metrics.names if task.extra_metrics else []:
+        require(
+            name not in own,
+            f"metrics.{name.removeprefix('val/')}: {name} is the task's own metric, which it would overwrite (the "
+            f"task reports {', '.join(own)}); give it another name",
+        )
     metric, reported = cfg.optimized_metric, reported_metrics(task.all_metrics(), callbacks)
     require(metric in reported, f"optimized_metric={metric}: the task reports {', '.join(reported)}")
 
@@ -304,13 +335,13 @@ def _check_optimizer_steps(cfg: Any, task: Any) -> None:
         require(
             takes is None or takes.default is not inspect.Parameter.empty,
             f"{where}: its training_loss takes a loss per optimizer (optimizer=...), and the optimizer node is one "
-            "optimizer: give several by name, as optimizer=gan does (README: Several optimizers)",
+            "optimizer: give several by name, as optimizer=gan does (docs/optimizers-and-callbacks.md)",
         )
         return
     require(
         takes is not None,
         f"optimizer: {' and '.join(f'optimizer.{name}' for name in names)} each need a loss of their own, and "
-        f"{where} has one: its training_loss takes no optimizer argument (README: Several optimizers)",
+        f"{where} has one: its training_loss takes no optimizer argument (docs/optimizers-and-callbacks.md)",
     )
     stepped: set[str] = set()
     for step in range(STEPS_ORDERED):

@@ -6,13 +6,17 @@ accept and fail on later, is one line naming the key and the value (exit 2):
 - a sweep (`a=1,2`) or a search (`hparams_search=...`) without `-m`;
 - every job of a `-m` sweep, composed and checked as the launcher checks it, before the first job starts;
 - an Optuna search space, direction or trial count that Optuna would refuse, and a joblib `n_jobs` of 0;
-- a run (or sweep) directory that cannot be made: a file in its way, an unwritable parent.
+- a sweep or search over a key the config lacks (named with the closest), or over Hydra's own config;
+- a run (or sweep) directory that cannot be made: a file in its way, an unwritable parent;
+- `hydra.output_subdir`, which would have Hydra write `.hydra/` before any check (hydraloop.run_records).
 
 Command lines with other Hydra flags (`--cfg`, `--config-dir`, `--info`, ...) are left to Hydra.
 """
 
 import dataclasses
 import difflib
+import importlib
+import inspect
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -67,14 +71,23 @@ def check_command_line(args: list[str], conf_dir: Path, check_job: Callable[[Any
             if search
             else f"hydra/sweeper={hydra.runtime.choices.get('hydra/sweeper')}: a sweeper runs with -m",
         )
+        require(
+            hydra.output_subdir is None,
+            f"hydra.output_subdir={hydra.output_subdir}: Hydra would write the config there before any check, also "
+            "for a command that is then refused, over a finished run's; hydraloop writes .hydra/ itself once the run "
+            "is accepted (hydraloop.run_records): leave it null",
+        )
         folder_key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
         _check_output_folder(OmegaConf.select(first, folder_key), folder_key)
         note_new_parents(OmegaConf.select(first, folder_key))
         if not multirun:
             return  # the launcher checks this one job itself
         _check_launcher(hydra)
-        if hydra.sweeper._target_ == OPTUNA_SWEEPER:  # its trials' values are the search's: checked as a space
+        optuna = hydra.sweeper._target_ == OPTUNA_SWEEPER
+        if optuna:  # its trials' values are the search's: checked as a space
             _check_optuna(hydra.sweeper, sweeps)
+        _check_swept_keys(first, sweeps, (hydra.sweeper.get("params") or {}) if optuna else {}, conf_dir)
+        if optuna:
             jobs = [[item for item in overrides if item not in sweeps]]
         for job in jobs[:MAX_CHECKED_JOBS]:
             try:
@@ -212,10 +225,17 @@ def _reason(error: OmegaConfBaseException, key: str) -> str:
     node = getattr(error, "parent_node", None)
     if text.startswith("Key '") and " not in " in text:
         keys = [str(k) for k in node] if OmegaConf.is_dict(node) else []
-        close = difflib.get_close_matches(name, keys, n=1)
-        hint = f"; did you mean {parent + '.' if parent else ''}{close[0]}?" if close else ""
-        if not close and key.split(".")[0] in FREE_GROUPS:  # keys its constructor takes, not the schema's
-            hint = f"; a key it lacks is added with a +: +{key}=..."
+        close = _closest(name, keys)
+        elsewhere = [] if close else _paths_named(node, name, key)
+        if close:
+            hint = f"; did you mean {parent + '.' if parent else ''}{close}?"
+        elif elsewhere:  # trainer.ckpt_path for the top-level ckpt_path, model.lr for optimizer.lr
+            shown = [path if "." in path else f"{path}, at the top level" for path in elsewhere]
+            hint = f"; did you mean {' or '.join(shown)}?"
+        elif key.split(".")[0] in FREE_GROUPS:  # keys its constructor takes, not the schema's
+            hint = _argument_hint(node, key, name)
+        else:
+            hint = ""
         return f"{parent or 'the config'} has no key {name!r}{hint}"
     for needle, reason in (
         ("could not be converted to Integer", "must be an integer"),
@@ -227,6 +247,43 @@ def _reason(error: OmegaConfBaseException, key: str) -> str:
         if needle in text:
             return reason
     return text
+
+
+def _closest(name: str, candidates: list[str]) -> str | None:
+    """The candidate `name` most likely means: the closest spelling, or the one whose words' initials it is, or that
+    are its initials (`learning_rate` for `lr`, `wd` for `weight_decay`)."""
+    close = difflib.get_close_matches(name, candidates, n=1)
+    if close:
+        return close[0]
+    initials = lambda words: "".join(word[:1] for word in words.split("_"))  # noqa: E731
+    return next((c for c in candidates if initials(name) == c or initials(c) == name and "_" in c), None)
+
+
+def _paths_named(node: Any, name: str, key: str) -> list[str]:
+    """The config's other keys of this name (its run keys, not Hydra's): where a key given in the wrong place is."""
+    root = node._get_root() if OmegaConf.is_config(node) else None  # noqa: SLF001  the whole composed config
+    if root is None:
+        return []
+    run_config = OmegaConf.to_container(root, resolve=False)
+    run_config.pop("hydra", None)
+    return [path for path in _dotted_keys(run_config) if path.rpartition(".")[2] == name and path != key][:2]
+
+
+def _argument_hint(node: Any, key: str, name: str) -> str:
+    """For a key the node of a model, optimizer or scheduler lacks: + adds it where its `_target_` takes it (or any
+    keyword); else the argument it most likely means, or those it takes."""
+    target = node.get("_target_") if OmegaConf.is_dict(node) else None
+    module, _, attribute = str(target).rpartition(".")
+    try:
+        parameters = inspect.signature(getattr(importlib.import_module(module), attribute)).parameters
+    except (ImportError, AttributeError, ValueError, TypeError):  # not importable here: the + is the way to add it
+        return f"; a key it lacks is added with a +: +{key}=..."
+    if name in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return f"; a key it lacks is added with a +: +{key}=..."
+    names = [parameter for parameter in parameters if parameter not in ("self", "params")]
+    meant = _closest(name, names)
+    parent = key.rpartition(".")[0]
+    return f"; did you mean {parent}.{meant}?" if meant else f" ({target} takes {', '.join(names) or 'none'})"
 
 
 def _missing_option(message: str, overrides: list[str]) -> str:
@@ -283,6 +340,42 @@ def _check_launcher(hydra: Any) -> None:
             isinstance(n_jobs, int) and n_jobs != 0,
             f"hydra.launcher.n_jobs={n_jobs}: jobs at once: a positive number, or -1 for one per core",
         )
+
+
+SEARCH_PARAMS = "hydra.sweeper.params."
+
+
+def _check_swept_keys(config: Any, command_line_sweeps: list[str], search: Any, conf_dir: Path) -> None:
+    """Each key a sweep or search varies is a key of the run's config. Hydra refuses a sweep over its own config
+    (`hydra.sweeper.params.optimizer.lr=interval(...)` on the command line, where a search key is given as itself),
+    and a key the config lacks fails in the first job, after the sweep has started (a search's, in every trial)."""
+    run_config = OmegaConf.to_container(config, resolve=False)
+    run_config.pop("hydra", None)
+    keys = sorted(_dotted_keys(run_config))
+    given = [(item, item.split("=", 1)[0]) for item in command_line_sweeps]
+    given += [(f"{SEARCH_PARAMS}{name}={value}", str(name)) for name, value in search.items()]
+    for item, key in given:
+        if key.startswith(("+", "~")) or "/" in key or (conf_dir / key).is_dir():  # added, removed, or a group
+            continue
+        searched, value = key.removeprefix(SEARCH_PARAMS), item.split("=", 1)[1]
+        found = searched in keys
+        close = [] if found else difflib.get_close_matches(searched, keys, n=1)
+        if key.startswith(SEARCH_PARAMS):  # on the command line
+            lacks = "" if found else f"the config has no key {searched}, and "
+            raise ConfigError(
+                f"{item}: {lacks}a search key is given on the command line as itself, not under "
+                f"hydra.sweeper.params: " + (f"did you mean {close[0]}={value}?" if close else f"{searched}={value}")
+            )
+        require(not key.startswith("hydra."), f"{item}: Hydra's own config cannot be swept, only the run's keys")
+        require(found, f"{item}: the config has no key {searched}" + (f"; did you mean {close[0]}?" if close else ""))
+
+
+def _dotted_keys(node: Any, prefix: str = "") -> Iterator[str]:
+    """Every key of a config container, dotted (`optimizer.lr`), nodes and leaves alike."""
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in items:
+        yield f"{prefix}{key}"
+        yield from _dotted_keys(value, f"{prefix}{key}.")
 
 
 def _check_optuna(sweeper: Any, command_line_sweeps: list[str]) -> None:

@@ -63,6 +63,10 @@ class TrainerConfig:
     """Split each rank's share of the global batch into this many micro-batches; one optimizer step per batch."""
     limit_train_batches: int | None = None
     """Train on at most this many batches per epoch (debugging, start-up benchmarks); null: all."""
+    limit_train_samples: int | None = None
+    """Train on the first this many samples of each epoch's order; with data.drop_last=false, the epoch's last batch
+    holds what is left of them (scripts/check_exact.py makes one smaller than the ranks' micro-batches this way, on
+    any data set). null: all."""
     limit_val_batches: int | None = None
     """Evaluate at most this many batches per rank; null: the whole validation set."""
     tf32: bool = True

@@ -7,12 +7,15 @@ reports val/f1 and val/auroc beside the task's own metrics, from every validatio
 (a class of one's own too), updated with what the task's `metric_inputs` gives (the logits and the targets, for the
 shipped tasks) on each rank's validation shard, which holds each sample once, unpadded; `compute` then gathers the
 ranks' states over the run's process group, so the values under ddp and fsdp are single-process training's.
-Which direction is better comes from the class's `higher_is_better` (optimized_metric=val/f1 just works).
+Which direction is better comes from the class's `higher_is_better` (optimized_metric=val/f1 just works). The
+launcher updates and computes each one on stand-ins for the task's outputs before any rank starts (hydraloop.trial):
+one that cannot take them (BinaryF1Score on 10-class logits), or computes more than one number, is one line.
 """
 
 import difflib
 import importlib.util
 import sys
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,7 +23,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from hydraloop.errors import ConfigError, unwrap_instantiation
+from hydraloop.errors import ConfigError, first_line, unwrap_instantiation
 
 
 class MetricSet:
@@ -40,6 +43,32 @@ class MetricSet:
         for metric in self.metrics.values():
             metric.update(predictions.float(), targets)
 
+    def check(self, predictions: torch.Tensor, targets: torch.Tensor, source: str) -> None:
+        """Each metric updated with `predictions` and `targets` (stand-ins for a validation batch's, on the CPU) and
+        computed to one number, as validation does, then reset: the launcher's trial (hydraloop.trial). What cannot
+        is one line naming the metric's key, what it was given (`source` says whose), and what it said."""
+        given = f"predictions {_shown(predictions)} and targets {_shown(targets)}"
+        for name, metric in self.metrics.items():
+            # A class's declared sizes, what a mismatch is usually about (torchmetrics' messages give no number).
+            sizes = [f"{size}={getattr(metric, size)}" for size in SIZES if getattr(metric, size, None) is not None]
+            key = f"metrics.{name.removeprefix('val/')} ({', '.join([type(metric).__name__, *sizes])})"
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # no positive samples, say: the stand-ins' values, not the data's
+                    metric.update(predictions.float(), targets)
+                    value = metric.compute()
+            except Exception as error:  # noqa: BLE001  the metric's refusal of what it was given, as one line
+                raise ConfigError(f"{key} cannot take {source}, {given}: {first_line(error)}") from None
+            finally:
+                metric.reset()
+            if not (isinstance(value, torch.Tensor) and value.numel() == 1):
+                kind = type(value).__name__
+                shape = f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else f"a {kind}"
+                raise ConfigError(
+                    f"{key}: computes {shape} from {given}, where validation logs one number per metric "
+                    "(a per-class metric averages with average: macro, say)"
+                )
+
     def compute(self) -> dict[str, float]:
         """Every metric over the whole validation set (a collective: every rank calls it), then reset."""
         values = {}
@@ -47,6 +76,13 @@ class MetricSet:
             values[name] = float(metric.compute())
             metric.reset()
         return values
+
+
+SIZES = ("num_classes", "num_labels", "num_outputs")  # what torchmetrics' classes are built for
+
+
+def _shown(tensor: torch.Tensor) -> str:
+    return f"{str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)}"
 
 
 def build_metrics(node: Any) -> dict[str, Any]:

@@ -86,6 +86,7 @@ def check_resumable(path: str | Path, cfg: Any) -> None:
         model_state(checkpoint, cfg.ckpt_weights, source)  # it holds the weights asked for
     if cfg.mode == "train":
         _check_optimizers(checkpoint, cfg, source, hint)
+    _check_task(checkpoint, cfg, path, source, hint)
     saved_tokenizer = token_maker(checkpoint.get("config", {}).get("data", {}))
     tokenizer = token_maker(OmegaConf.to_container(cfg.data, resolve=True))
     if saved_tokenizer is not None and tokenizer != saved_tokenizer:
@@ -132,6 +133,29 @@ def check_resumable(path: str | Path, cfg: Any) -> None:
         _check_groups(checkpoint, cfg, model, source, hint)
 
 
+def _check_task(checkpoint: dict[str, Any], cfg: Any, path: str | Path, source: str, hint: str) -> None:
+    """The checkpoint was trained for the configured task: another reads the model's outputs otherwise (a language
+    model's logits as class scores), and every later check (tokenizer, shapes) would name a consequence of it."""
+    saved = checkpoint.get("config") or {}
+    saved_task = (saved.get("task") or {}).get("_target_")
+    if saved_task is None or saved_task == cfg.task._target_:
+        return
+    from hydraloop.trial import named_option
+
+    # The options its run was composed of, where its run directory's .hydra/ is beside its checkpoints/ folder.
+    hydra_file = Path(path).parent.parent / ".hydra" / "hydra.yaml"
+    choices = OmegaConf.select(OmegaConf.load(hydra_file), "hydra.runtime.choices") if hydra_file.is_file() else None
+    if choices and choices.get("task") and choices.get("data"):
+        trained = f"task={choices.task} on data={choices.data}"
+    else:
+        data_target = ((saved.get("data") or {}).get("dataset") or {}).get("_target_")
+        trained = f"task._target_={saved_task} on data.dataset._target_={data_target}"
+    raise ConfigError(
+        f"{source}: was trained for {trained}, and this run is {named_option(cfg, 'task')} on "
+        f"{named_option(cfg, 'data')}; give the data and task it was trained with{hint}"
+    )
+
+
 def _check_optimizers(checkpoint: dict[str, Any], cfg: Any, source: str, hint: str) -> None:
     """The checkpoint holds state of the optimizers the config names (several by name, hydraloop.optim), each of the
     same class."""
@@ -174,12 +198,16 @@ def _check_groups(checkpoint: dict[str, Any], cfg: Any, model: nn.Module, source
         )
 
 
-def finished_records(path: str | Path, cfg: Any) -> dict[str, Any] | None:
+def finished_records(path: str | Path | None, cfg: Any, composed: Any) -> dict[str, Any] | None:
     """A rerun of a finished run: its metrics.json, if `path` (this run directory's own checkpoint, resume=true) is
-    the end of training under `cfg` and the run wrote its records. None: there is training (or a record) to do."""
+    the end of training under `cfg` and the run wrote its records. None: there is training (or a record) to do.
+    Where the run left no checkpoint of its own (`path` None or another directory's), see `_finished_uncheckpointed`
+    (`composed`: this run's config as Hydra composed it)."""
     metrics_file = Path(cfg.output_dir) / "metrics.json"
-    if cfg.mode != "train" or not is_own(path, cfg) or not metrics_file.is_file():
+    if cfg.mode != "train" or not metrics_file.is_file():
         return None
+    if not (path and is_own(path, cfg)):
+        return _finished_uncheckpointed(cfg, composed) if cfg.resume else None
     checkpoint = load_checkpoint(path, lazy=True)
     max_steps = cfg.trainer.max_steps
     done = checkpoint["global_step"] >= max_steps if max_steps else checkpoint["epoch"] >= cfg.trainer.max_epochs
@@ -202,20 +230,59 @@ def finished_records(path: str | Path, cfg: Any) -> dict[str, Any] | None:
     return metrics
 
 
-def _changed_keys(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+def _finished_uncheckpointed(cfg: Any, composed: Any) -> dict[str, Any] | None:
+    """A rerun (resume=true) into the directory of a training run that finished (its metrics.json) without a
+    checkpoint of its own to continue from (trainer.save_checkpoints=false, or its checkpoints removed): its
+    metrics.json if this run's config is that run's (`.hydra/config.yaml` and `composed`, both as Hydra composed
+    them, compared as `_changed_keys` compares, the budget included: nothing can continue that run). Another config
+    is refused, as it is where the run's checkpoints are kept: training anew would replace the finished run's
+    records."""
+    from hydraloop.run_records import HYDRA_SUBDIR
+
+    run_dir = Path(cfg.output_dir)
+    try:
+        metrics = json.loads((run_dir / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return None  # not written whole: no finished run
+    step = metrics.get("global_step")
+    keep = "resume=false starts the directory over, or give this run a directory of its own"
+    try:
+        saved = OmegaConf.to_container(OmegaConf.load(run_dir / HYDRA_SUBDIR / "config.yaml"))
+    except Exception:  # noqa: BLE001  missing, or not a config (OSError, YAML's and OmegaConf's errors)
+        saved = None
+    if not isinstance(saved, dict):
+        raise ConfigError(
+            f"run directory {cfg.output_dir}: holds the records of a run that finished at step {step}, without its "
+            f"{HYDRA_SUBDIR}/config.yaml or a checkpoint of its own to continue from; they are left as they are: {keep}"
+        )
+    if saved.get("mode", "train") != "train":
+        return None  # an evaluation's records (mode=eval), not a training run's
+    changed = _changed_keys(saved, OmegaConf.to_container(composed), ignored=())
+    if not changed:
+        return metrics
+    more = f", and {'; '.join(changed[1:3])}" if len(changed) > 1 else ""
+    raise ConfigError(
+        f"{changed[0]}{more}: the run in {cfg.output_dir} finished at step {step} under another config, without a "
+        f"checkpoint of its own to continue from, and is left as it is: {keep}"
+    )
+
+
+BUDGET = ("trainer.max_epochs", "trainer.max_steps")
+
+
+def _changed_keys(saved: dict[str, Any], now: dict[str, Any], ignored: tuple[str, ...] = BUDGET) -> list[str]:
     """`key=now (was: saved)` for each key of what defines the trained model and what is measured of it (data,
     model, task, optimizer, scheduler, seed, trainer, callbacks, optimized_metric) whose value differs between a
-    checkpoint's config and this run's. The budget (trainer.max_epochs, max_steps) is not one: the caller has found
-    the run done under this one (or stopped early)."""
+    checkpoint's config and this run's, but the `ignored` keys. By default the budget (trainer.max_epochs,
+    max_steps): the caller has found the run done under this one (or stopped early)."""
     from hydraloop.loggers.base import flatten
 
     parts = ("data", "model", "task", "optimizer", "scheduler", "seed", "trainer", "callbacks", "optimized_metric")
-    budget = ("trainer.max_epochs", "trainer.max_steps")
     before, after = ({k: v for k, v in flatten(c).items() if k.split(".")[0] in parts} for c in (saved, now))
     return [
         f"{key}={after.get(key)} (was {before.get(key)})"
         for key in sorted(before.keys() | after.keys())
-        if before.get(key) != after.get(key) and key not in budget
+        if before.get(key) != after.get(key) and key not in ignored
     ]
 
 

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hydraloop.errors import ConfigError
+from hydraloop.preemption import stop_at_once
 from hydraloop.storage import check_appendable, check_writable, describe
 
 LOCK_FILE = "run.lock"
@@ -81,28 +82,30 @@ class Owner:
 @contextmanager
 def owned_run_directory(run_dir: str | Path, log_file: str | Path, owner: bool = True) -> Iterator[None]:
     """Holds the run directory's lock while the run lasts, after checking that the directory, the folders in it and
-    the job log can be written (else bad input, exit 2). Every exit path releases it; a killed process leaves a
-    lock that the next run takes over. `owner=False` (ranks other than 0) holds nothing."""
+    the job log can be written (else bad input, exit 2). Every exit path releases it, a stop signal's included: while
+    the lock is held, one ends the process through the exception path (hydraloop.preemption.stop_at_once, exit 128 +
+    its number), where the loop does not handle it. A killed process (SIGKILL, a crash) leaves a lock that the next
+    run takes over. `owner=False` (ranks other than 0) holds nothing."""
     if not owner:
         yield
         return
     run_dir = Path(run_dir)
     me = None
-    try:
-        me = take(run_dir)
-        for folder in _written_folders(run_dir):
-            check_writable(folder, "run directory" if folder == run_dir else "run directory folder")
-        check_appendable(Path(log_file), "job log")
-    except ConfigError:
-        # Someone else's directory, or one this run cannot write: the error line goes to the console only.
-        _stop_logging_into(run_dir)
-        if me:
-            release(run_dir, me)
-        raise
-    try:
-        yield
-    finally:
-        release(run_dir, me)
+    with stop_at_once():  # before the lock is taken: no signal ends the process between taking and releasing it
+        try:
+            try:
+                me = take(run_dir)
+                for folder in _written_folders(run_dir):
+                    check_writable(folder, "run directory" if folder == run_dir else "run directory folder")
+                check_appendable(Path(log_file), "job log")
+            except ConfigError:
+                # Someone else's directory, or one this run cannot write: the error line goes to the console only.
+                _stop_logging_into(run_dir)
+                raise
+            yield
+        finally:
+            if me:
+                release(run_dir, me)
 
 
 def take(run_dir: Path) -> Owner:

@@ -7,6 +7,7 @@ import itertools
 import logging
 import math
 import operator
+import signal
 import time
 import warnings
 from pathlib import Path
@@ -174,7 +175,8 @@ class Trainer:
         `val_every_n_steps` / `ckpt_every_n_steps` steps, and at the end.
 
         On a stop signal, checkpoints at the next point where the ranks meet (a logging, validation or checkpoint
-        step, or the epoch end) and raises Interrupted.
+        step, or the epoch end) and raises Interrupted; unless that point is the run's last step, or the signal came
+        after it: then the run ends as it would have, with its last validation and checkpoint (hydraloop.preemption).
         """
         start, start_step = time.perf_counter(), state.global_step
         if self.validated:  # a checkpoint of a validated step: validating it again would log its metrics twice
@@ -195,12 +197,17 @@ class Trainer:
                 state.next_epoch()
                 epoch_loss = {"train/epoch_loss": state.train_loss} if state.train_loss is not None else {}
                 self.validate_and_save(state, epoch_loss)
-                if self.stop_signum:
+                if self.stop_signum and not self.finished(state):  # at the last epoch's end the run finishes
                     self._stop(f"after epoch {state.epoch}")
             if self.validated_at != state.global_step:  # ended mid-epoch, or resumed with nothing left to train
                 trained = state.global_step > start_step
                 self.validate_and_save(state, save=trained and self.saved_at != state.global_step)
         self.checkpoint_written()
+        if self.stop_request.signum:
+            log.info(
+                "%s came at or after the run's last step: nothing is left to stop for, the run finishes (metrics.json)",
+                signal.Signals(self.stop_request.signum).name,
+            )
         wall_time_s = time.perf_counter() - start
         # The latest validation's: also one every N steps that early stopping ended the run at, mid-epoch.
         return {**self._summary(self.validated, state), "train/loss": state.train_loss, "wall_time_s": wall_time_s}
@@ -298,7 +305,7 @@ class Trainer:
 
     def _stop(self, where: str) -> NoReturn:
         """Ends the run on a stop signal, after its checkpoint; the loggers mark their runs preempted, not failed."""
-        log.info("stopping %s", where)  # the launcher of spawned ranks reports only the signal
+        log.info("stopping %s", where)
         self.checkpoint_written()
         self.writer.interrupted()
         raise Interrupted(self.stop_signum, f"{where}: {self._resume_hint()}")

@@ -15,6 +15,20 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hydraloop"
 
 
+def unwritable_cache(cache_dir: str | None, reason: str) -> str:
+    """The one line for a cache folder that cannot be written, naming what set it: the key, or the environment
+    variable its default comes from."""
+    if cache_dir:
+        return f"data.dataset.cache_dir={cache_dir}: cannot be written: {reason}"
+    folder = default_cache_dir()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return (
+            f"XDG_CACHE_HOME={os.environ['XDG_CACHE_HOME']}: the data cache under it, {folder}, cannot be written: "
+            f"{reason} (data.dataset.cache_dir=... puts it elsewhere)"
+        )
+    return f"data.dataset.cache_dir=null: the default, {folder}, cannot be written: {reason}"
+
+
 def cached_arrays(
     name: str, make: Callable[[], dict[str, np.ndarray]], cache_dir: str | None = None
 ) -> dict[str, np.ndarray]:
@@ -30,7 +44,6 @@ def cached_arrays(
         except OSError as error:
             with suppress(OSError):
                 tmp.unlink(missing_ok=True)
-            where = cache_dir if cache_dir else f"null (the default, {path.parent})"
-            raise ConfigError(f"data.dataset.cache_dir={where}: cannot be written: {describe(error)}") from None
+            raise ConfigError(unwritable_cache(cache_dir, describe(error))) from None
     with np.load(path) as arrays:
         return dict(arrays)

@@ -19,6 +19,7 @@ import functools
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ import torch
 from torch.utils.data import Dataset
 
 from hydraloop.data.cache import cached_arrays, default_cache_dir
-from hydraloop.errors import ConfigError, require
+from hydraloop.errors import ConfigError, first_line, require
 from hydraloop.tasks.language_model import IGNORED
 
 FILE_BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
@@ -143,6 +144,10 @@ def _read_splits(path: str, cache: Path) -> dict[str, Any]:
     """The data set's splits; a file's Arrow conversion goes into hydraloop's data cache, beside the tokenized ones."""
     datasets = import_datasets()
     local = Path(path)
+    verbosity = datasets.logging.get_verbosity()
+    # datasets logs a file it cannot parse at ERROR (twice: its handler, and the root's) before raising: the one line
+    # below says it.
+    datasets.logging.set_verbosity(logging.CRITICAL)
     try:
         if local.is_dir():
             loaded = datasets.load_from_disk(str(local))
@@ -155,11 +160,15 @@ def _read_splits(path: str, cache: Path) -> dict[str, Any]:
     except ConfigError:
         raise
     except Exception as error:  # noqa: BLE001  datasets' many kinds of "cannot read it", as one line
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        # "An error occurred while generating the dataset": the parser's own words are its cause's.
+        cause = error.__cause__ if isinstance(error, datasets.exceptions.DatasetGenerationError) else None
+        reason = first_line(cause or error)
         raise ConfigError(
             f"data.dataset.path={path}: cannot be read as a data set ({reason}); give a csv, json, jsonl, parquet or "
             "txt file, a folder save_to_disk wrote, or a name already in the Hugging Face cache (never downloaded)"
         ) from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
     return dict(loaded) if isinstance(loaded, datasets.DatasetDict) else {"train": loaded}
 
 

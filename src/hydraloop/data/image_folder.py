@@ -39,8 +39,10 @@ def count_class_folders(root: str) -> int:
 
 def check_image_folder(
     root: str, train_transforms: Any, val_transforms: Any, input_shape: Sequence[int], num_classes: int
-) -> None:
-    """Raises ConfigError, in one line naming the key and value, on anything wrong with the folder or transforms."""
+) -> tuple[torch.Tensor, int]:
+    """Raises ConfigError, in one line naming the key and value, on anything wrong with the folder or transforms.
+    Returns a training sample as the loaders give it, (image, class): the first image of class 0, for the launcher's
+    trial batch (hydraloop.trial)."""
     root = Path(str(root))
     classes = _check_layout(root, num_classes)
     first = _first_image(root / "train" / classes[0])
@@ -65,6 +67,9 @@ def check_image_folder(
                 f"data.input_shape={list(input_shape)}: {key} makes {list(sample.shape)} of {first.relative_to(root)}; "
                 "set data.input_shape (or data.image_size) to what the transforms make"
             )
+        if key == "data.train_transforms":
+            train_sample = sample
+    return train_sample, 0
 
 
 def load_image_folder(

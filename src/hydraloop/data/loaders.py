@@ -45,8 +45,8 @@ class GlobalBatchSampler(Sampler[list]):
     An epoch can begin at any sample (`set_epoch(epoch, start_sample)`): a mid-epoch checkpoint stores its position
     in samples, so a run resumed under another batch size or world size continues at the sample it stopped at,
     without loading what it skips. `limit_batches` ends every epoch after that many global batches of the current
-    size. With `keyed_by_epoch` it yields (epoch, index) keys, which SeededAugmentation and data=tokens' random
-    windows take.
+    size, `limit_samples` after that many samples (the last batch then holds the rest). With `keyed_by_epoch` it
+    yields (epoch, index) keys, which SeededAugmentation and data=tokens' random windows take.
     """
 
     def __init__(
@@ -60,11 +60,13 @@ class GlobalBatchSampler(Sampler[list]):
         shuffle: bool = True,
         drop_last: bool = True,
         limit_batches: int | None = None,
+        limit_samples: int | None = None,
         keyed_by_epoch: bool = False,
     ) -> None:
         self.num_samples, self.global_batch_size = num_samples, global_batch_size
         self.rank, self.world_size = rank, world_size
         self.seed, self.shuffle, self.drop_last, self.limit_batches = seed, shuffle, drop_last, limit_batches
+        self.usable = min(num_samples, limit_samples or num_samples)  # the samples an epoch may reach
         self.keyed_by_epoch = keyed_by_epoch
         self.set_epoch(0)
 
@@ -75,7 +77,7 @@ class GlobalBatchSampler(Sampler[list]):
 
     def _end(self, start_sample: int) -> int:
         batch = self.global_batch_size
-        end = min(self.num_samples, batch * self.limit_batches) if self.limit_batches else self.num_samples
+        end = min(self.usable, batch * self.limit_batches) if self.limit_batches else self.usable
         if self.drop_last:  # whole batches only, counted from where the epoch resumes
             end = start_sample + max(0, end - start_sample) // batch * batch
         return max(start_sample, end)
@@ -87,7 +89,7 @@ class GlobalBatchSampler(Sampler[list]):
     @property
     def steps_per_epoch(self) -> int:
         """Global batches in a whole epoch of the current size, from its first sample."""
-        usable = min(self.num_samples, self.global_batch_size * (self.limit_batches or self.num_samples))
+        usable = min(self.usable, self.global_batch_size * (self.limit_batches or self.num_samples))
         full, rest = divmod(usable, self.global_batch_size)
         return full + (0 if self.drop_last or not rest else 1)
 
@@ -286,6 +288,7 @@ def build_loaders(
     on_device: bool = False,
     prefetch_factor: int | None = None,
     limit_train_batches: int | None = None,
+    limit_train_samples: int | None = None,
     elementwise_per_batch: bool = True,
 ) -> tuple[TrainLoader, DataLoader | DeviceBatches]:
     """The training and validation loaders of this rank. `elementwise_per_batch`: an image folder's closing ToDtype
@@ -303,6 +306,7 @@ def build_loaders(
         shuffle=shuffle and not getattr(train_set, "draws_its_own_order", False),  # data=tokens' random windows
         drop_last=drop_last,
         limit_batches=limit_train_batches,
+        limit_samples=limit_train_samples,
         keyed_by_epoch=getattr(train_set, "keyed_by_epoch", False),  # SeededAugmentation, data=tokens' windows
     )
     val_batches = BatchSampler(ShardSampler(len(val_set), rank, world_size), val_batch_size, drop_last=False)

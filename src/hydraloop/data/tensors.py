@@ -89,9 +89,17 @@ def load_tensors(
     return TensorDataset(x[train], y[train]), TensorDataset(x[val], y[val])
 
 
+NPZ_START, NPY_START = b"PK\x03\x04", b"\x93NUMPY"[:4]  # a zip's first bytes (np.savez's), a .npy's (np.save's)
+
+
 def read_arrays(path: Path, where: str) -> dict[str, torch.Tensor]:
     """A .npz or .pt file's arrays as tensors, by name (`where` names the config key in errors)."""
     suffix = _check_path(path, where)
+    with path.open("rb") as file:
+        start = file.read(len(NPZ_START))
+    if suffix == ".npz" and start not in (NPZ_START, NPY_START):  # numpy reads anything else as a pickle
+        found = f"it starts {start!r}" if start else "it is empty"
+        raise ConfigError(f"{where}: not a .npz file (a zip of .npy arrays, as np.savez writes); {found}")
     try:
         if suffix == ".npz":
             with np.load(path, allow_pickle=False) as npz:
@@ -180,6 +188,8 @@ def _is_number(value: Any) -> bool:
 def _reason(error: Exception) -> str:
     """Why a file could not be loaded. torch's weights-only refusal spans a page, the cause on one line of it."""
     text = str(error)
+    if text.startswith("Object arrays cannot be loaded"):  # numpy's advice is to allow pickles: not here
+        return "it holds an object array (Python objects), which loading without running code refuses; save numbers"
     unpickler = next((line for line in text.splitlines() if "WeightsUnpickler error:" in line), None)
     if unpickler is None:
         return first_line(error)

@@ -302,8 +302,11 @@ def token_maker(data: dict[str, Any]) -> dict | None:
     ids either way): data=tokens' tokenizer, or data=text's characters (its vocab; null: bytes). None: not text."""
     if data.get("tokenizer"):
         return data["tokenizer"]
-    if "vocab" in data:
-        return {"kind": "char", "vocab": data["vocab"]} if data["vocab"] is not None else {"kind": "byte"}
+    if data.get("vocab") is not None:
+        return {"kind": "char", "vocab": data["vocab"]}
+    # Every data config has the schema's `vocab` key (null): bytes are data=text's level byte, not any data's.
+    if (data.get("dataset") or {}).get("level") == "byte":
+        return {"kind": "byte"}
     return None
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from hydraloop.errors import ConfigError
+from hydraloop.errors import ConfigError, first_line
 from hydraloop.loggers.base import NullLogger, RunInfo, require_package
 
 MODES = ("online", "offline", "disabled", "shared")
@@ -39,6 +39,7 @@ class WandbLogger(NullLogger):
         require_package("wandb", extra="wandb")
         if mode is not None and mode not in MODES:
             raise ConfigError(f".mode={mode}: must be one of {', '.join(MODES)}, or null (offline without credentials)")
+        _check_environment()
         self.project, self.entity, self.group, self.tags, self.name = project, entity, group, list(tags), name
         self.mode = mode or (None if os.environ.get("WANDB_MODE") else "online" if _has_credentials() else "offline")
 
@@ -77,6 +78,25 @@ class WandbLogger(NullLogger):
         self.run.log({}, commit=True)  # the last row first: written later, it would overwrite the summary below
         self.run.summary.update(metrics)
         self.run.finish()
+
+
+def _check_environment() -> None:
+    """The WANDB_* variables, as W&B's settings take them when rank 0 starts the run: a value they refuse
+    (`WANDB_MODE=offlne`) is one line in the launcher here, not a pydantic traceback from the rank."""
+    variables = sorted((name, value) for name, value in os.environ.items() if name.startswith("WANDB_"))
+    if not variables:
+        return  # nothing to check: W&B's import (seconds) is left to the rank
+    import wandb
+
+    if not hasattr(wandb.Settings, "update_from_env_vars"):  # W&B before 0.19 reads them otherwise
+        return
+    for name, value in variables:
+        try:
+            wandb.Settings().update_from_env_vars({name: value})
+        except ValueError as error:  # pydantic's ValidationError
+            details = error.errors() if hasattr(error, "errors") else []
+            reason = details[0]["msg"] if details else first_line(error)
+            raise ConfigError(f": {name}={value} in the environment: W&B refuses it ({reason})") from None
 
 
 def _has_credentials() -> bool:

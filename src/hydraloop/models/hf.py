@@ -217,6 +217,8 @@ def _config(transformers: Any, name_or_path: str | None, model_type: str | None,
             closest = ", ".join(difflib.get_close_matches(model_type, types, n=3, cutoff=0.5)) or "none close"
             raise ConfigError(f"model.model_type={model_type}: not a transformers model type; closest: {closest}")
         return _with_overrides(transformers.AutoConfig.for_model(model_type), overrides)
+    if Path(name_or_path).is_dir() and not (Path(name_or_path) / "config.json").is_file():
+        raise ConfigError(_not_found(name_or_path))  # transformers' own words blame a config.json that is not there
     try:
         loaded = transformers.AutoConfig.from_pretrained(name_or_path, local_files_only=True)
     except OSError:

@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hydraloop.errors import ConfigError, Interrupted, StorageError, WorkerFailed, first_line
 from hydraloop.parallel.single import SingleDevice, resolve_device
+from hydraloop.parallel.spawned_ranks import Stopped, passed_on_to_ranks, run_rank
 from hydraloop.preemption import STOP_SIGNALS
 from hydraloop.sync_batchnorm import convert_sync_batchnorm
 
@@ -37,7 +38,7 @@ class DDPStrategy(SingleDevice):
     torch.distributed.elastic, the engine behind torchrun: a c10d rendezvous on a free port (so two jobs on one
     machine never collide), and the whole job is stopped as soon as any rank fails (or, with `max_restarts`,
     restarted: the ranks continue from the run's last checkpoint). A stop signal to the launcher is passed on to
-    the ranks, which checkpoint and stop (see hydraloop.preemption).
+    the ranks, which checkpoint and stop, or finish the run past its last step (see hydraloop.preemption).
     """
 
     def __init__(
@@ -70,6 +71,12 @@ class DDPStrategy(SingleDevice):
         for key, seconds in (("timeout_s", timeout_s), ("shutdown_timeout_s", shutdown_timeout_s)):
             if not seconds > 0:
                 raise ConfigError(f"parallel.{key}={seconds}: must be a positive number of seconds")
+        if self.backend == "nccl" and not use_cuda:  # named before the process count it would otherwise fail on
+            where = f"device={device}" if torch.cuda.is_available() else "no GPU is visible"
+            raise ConfigError(
+                f"parallel.backend=nccl: NCCL reduces CUDA tensors, and this run computes on the CPU ({where}); "
+                "parallel.backend=gloo reduces CPU tensors (null picks it on the CPU)"
+            )
         self.max_restarts = max_restarts
         self.shutdown_timeout_s = shutdown_timeout_s
         given = [key for key in LAUNCHER_ENV if key in os.environ]
@@ -106,7 +113,7 @@ class DDPStrategy(SingleDevice):
         if self.backend == "nccl" and self.nproc_per_node > torch.cuda.device_count():
             raise ConfigError(
                 f"parallel.nproc_per_node={self.nproc_per_node}: only {torch.cuda.device_count()} GPU(s) visible, "
-                "and nccl needs one GPU per process"
+                "and parallel.backend=nccl needs one GPU per process"
             )
         _check_one_gpu_per_rank(device, self.nproc_per_node)
         self.world_size = self.nproc_per_node
@@ -124,27 +131,37 @@ class DDPStrategy(SingleDevice):
             max_restarts=self.max_restarts,
             monitor_interval=0.1,
             start_method="spawn",
-            # Passed on to the ranks, which then checkpoint and stop (hydraloop.preemption): SIGUSR1 is SLURM's usual
-            # early warning, SIGUSR2 submitit's.
-            signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2",
-            shutdown_timeout=int(self.shutdown_timeout_s),  # how long the ranks get for that before SIGKILL
+            # What ends the ranks at once (Ctrl-C's SIGINT); the stop signals are passed on by passed_on_to_ranks.
+            signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
+            shutdown_timeout=int(self.shutdown_timeout_s),  # how long the ranks get to end on SIGINT before SIGKILL
         )
         # The agent reports each rank's failure with a full traceback; the worker has already logged it.
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-        try:
-            return elastic_launch(config, worker)(*args)[0]  # {rank: result}; ranks agree, rank 0 speaks
-        except SignalException as stop:
-            checkpointed = stop.sigval in STOP_SIGNALS  # not Ctrl-C's SIGINT
-            what = "passed on to the ranks, which checkpoint first: see train.log" if checkpointed else "no checkpoint"
-            raise Interrupted(stop.sigval, f"({what})") from None
-        except ChildFailedError as failed:
-            rank, failure = _first_failure(failed)
-            message = failure.message.get("message") if isinstance(failure.message, dict) else failure.message
-            if str(message).startswith("ConfigError: "):  # bad input only a rank could see, e.g. in a data file
-                raise ConfigError(str(message).removeprefix("ConfigError: ")) from None
-            if str(message).startswith("StorageError: "):  # rank 0's failed write: its own line and exit code
-                raise StorageError(str(message).removeprefix("StorageError: ")) from None
-            raise WorkerFailed(f"rank {rank} failed (exit code {failure.exitcode}): {message}") from None
+        with passed_on_to_ranks(self.shutdown_timeout_s) as passed_on:
+            try:
+                # {rank: result}; ranks agree, rank 0 speaks
+                result = elastic_launch(config, run_rank)(worker, *args)[0]
+            except SignalException as stop:
+                if passed_on.signum:  # the ranks had not ended parallel.shutdown_timeout_s after it: killed
+                    raise Interrupted(
+                        passed_on.signum,
+                        f"(passed on to the ranks, which had not stopped {self.shutdown_timeout_s:g} s later, "
+                        "parallel.shutdown_timeout_s, and were killed: see train.log for their last checkpoint)",
+                    ) from None
+                if stop.sigval in STOP_SIGNALS:  # no rank to pass it on to: none started yet (or all ended)
+                    raise Interrupted(stop.sigval, "while no rank was running, without a checkpoint") from None
+                raise Interrupted(stop.sigval, "(no checkpoint)") from None  # Ctrl-C's SIGINT
+            except ChildFailedError as failed:
+                rank, failure = _first_failure(failed)
+                message = failure.message.get("message") if isinstance(failure.message, dict) else failure.message
+                if str(message).startswith("ConfigError: "):  # bad input only a rank could see, e.g. in a data file
+                    raise ConfigError(str(message).removeprefix("ConfigError: ")) from None
+                if str(message).startswith("StorageError: "):  # rank 0's failed write: its own line and exit code
+                    raise StorageError(str(message).removeprefix("StorageError: ")) from None
+                raise WorkerFailed(f"rank {rank} failed (exit code {failure.exitcode}): {message}") from None
+        if isinstance(result, Stopped):
+            raise Interrupted(result.signum, result.where)
+        return result
 
     def check(self, cfg: Any) -> None:
         super().check(cfg)

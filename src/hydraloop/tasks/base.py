@@ -131,6 +131,11 @@ class Task:
     def check_targets(self, targets: Tensor, where: str) -> None:
         """On one sample's targets (`where` names the data set): raises ConfigError if they do not fit."""
 
+    def check_all_targets(self, targets: Tensor, where: str) -> None:
+        """In the launcher, on every target of a training set held in memory (a TensorDataset's last tensor, read
+        at no cost): raises ConfigError for values that do not fit (a class label past data.num_classes), which
+        one sample, or the meta device, cannot show."""
+
 
 def call(model: Any, inputs: Any) -> Any:
     """The model called on a batch's inputs: a tuple or list positionally, a dict by keyword, else as one input."""

@@ -71,6 +71,16 @@ class Classification(Task):
         )
         require(cfg.data.num_classes >= 2, f"data.num_classes={cfg.data.num_classes}: classification needs at least 2")
 
+    def check_all_targets(self, targets: Tensor, where: str) -> None:
+        if targets.is_floating_point() or not targets.numel():  # check_targets names real-valued ones
+            return
+        low, high = int(targets.min()), int(targets.max())
+        require(
+            low >= 0 and high < self.num_classes,
+            f"data.num_classes={self.num_classes}: the training set's labels run from {low} to {high}, outside "
+            f"[0, {self.num_classes}) ({where})",
+        )
+
     def check_targets(self, targets: Tensor, where: str) -> None:
         if targets.is_floating_point() or targets.dim() != 0:
             kind = "real-valued" if targets.is_floating_point() else "integer"

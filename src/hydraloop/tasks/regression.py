@@ -30,6 +30,11 @@ class Regression(Task):
         outputs = logits(outputs, self)
         return F.mse_loss(outputs.reshape(targets.shape), targets)
 
+    def metric_inputs(self, outputs: Any, targets: Tensor) -> tuple[Tensor, Tensor]:
+        """The outputs in the targets' shape, as the loss reads them: (N,) for one value, where the model gives
+        (N, 1), and torchmetrics' regression metrics want the two alike."""
+        return logits(outputs, self).reshape(targets.shape), targets
+
     def statistics(self, outputs: Any, targets: Tensor) -> Tensor:
         outputs = logits(outputs, self)
         y = targets.double().reshape(len(targets), self.width)
