@@ -89,3 +89,24 @@ def test_the_step_draws_per_rank_for_the_forward_and_alike_for_the_replicated_st
         draws(StepSeeder(8, 0, []), 3, part=0),
     ]
     assert len({tuple(stream.tolist()) for stream in streams}) == len(streams)  # every part of every step its own
+
+
+def _grad_norm_columns(run_dir: Path) -> dict[str, list[float]]:
+    rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
+    columns = [name for name in rows[0] if name.startswith("train/grad_norm")]
+    return {name: [float(row[name]) for row in rows if row.get(name)] for name in columns}
+
+
+def test_two_grad_norm_callbacks_log_both_norms(train_in_process):
+    common = ("trainer.max_steps=2", "trainer.log_every_n_steps=1", "logger=csv", "callbacks=[grad_norm]")
+    _, euclidean = train_in_process(*common)
+    _, both = train_in_process(
+        *common,
+        "+callbacks.grad_norm_inf._target_=hydraloop.callbacks.grad_norm.GradNorm",
+        "+callbacks.grad_norm_inf.norm_type=inf",
+    )
+    l2 = _grad_norm_columns(euclidean)["train/grad_norm"]
+    logged = _grad_norm_columns(both)
+    # Each callback's key names its metric: the L2 norm written first was overwritten by the inf-norm.
+    assert any(values == pytest.approx(l2) for values in logged.values()), (l2, logged)
+    assert len(logged) == 2, logged

@@ -124,10 +124,12 @@ def replicated_state(trainer: Trainer) -> Iterator[tuple[str, Any]]:
         prefix = f"optimizer.{optimizer_name}" if optimizer_name else "optimizer"
         for index, group in enumerate(optimizer.param_groups):
             for key in sorted(key for key in group if key != "params"):
-                yield f"{prefix}.param_groups[{index}].{key}", group[key]
+                yield from _leaves(f"{prefix}.param_groups[{index}].{key}", group[key])
             for param in group["params"]:
                 for key, value in sorted(optimizer.state.get(param, {}).items()):
-                    yield f"{prefix}.state[{name_of.get(param, '?')}].{key}", value
+                    # Each tensor of a state held in lists or dicts (LBFGS's history, a preconditioner's factors)
+                    # compared as one: a container's printed form shows 4 decimals and a big tensor's corners.
+                    yield from _leaves(f"{prefix}.state[{name_of.get(param, '?')}].{key}", value)
     for callback_name, callback in trainer.callbacks.items():
         yield from _leaves(f"callbacks.{callback_name}", callback.state_dict(trainer))
 
@@ -206,13 +208,18 @@ def combined(names: list[str], digests: list[Tensor | int], device: torch.device
 
 
 def _leaves(prefix: str, state: Any) -> Iterator[tuple[str, Any]]:
-    """The values of a nested state (dicts, lists), each named by its path."""
+    """The values of a nested state (dicts, lists, sets), each named by its path. A set's order is its process's
+    string hashes' (PYTHONHASHSEED differs between processes): its items are taken in the order of their printed
+    forms, the same in every process."""
     if isinstance(state, dict):
         for key in sorted(state, key=str):
             yield from _leaves(f"{prefix}.{key}", state[key])
     elif isinstance(state, list | tuple):
         for index, item in enumerate(state):
             yield from _leaves(f"{prefix}[{index}]", item)
+    elif isinstance(state, set | frozenset):
+        for index, item in enumerate(sorted(state, key=repr)):
+            yield from _leaves(f"{prefix}{{{index}}}", item)
     else:
         yield prefix, state
 

@@ -71,7 +71,9 @@ class Callback:
 
     def state_dict(self, trainer: Trainer) -> dict[str, Any]:
         """At each checkpoint save, on every rank (a state sharded by FSDP is gathered here): plain values and CPU
-        tensors, as torch.load(weights_only=True) reads them."""
+        tensors, as torch.load(weights_only=True) reads them. The same on every rank that holds a copy of the model
+        (ddp's): the replica check compares them (trainer.replica_check_every_n_steps), so a wall clock or a rank's
+        own random state belongs elsewhere."""
         return {}
 
     def load_state_dict(self, trainer: Trainer, state: dict[str, Any]) -> None:

@@ -1,5 +1,6 @@
 """`callbacks=[grad_norm]`: the norm of the gradients each optimizer steps with, logged as `train/grad_norm` (with
-several optimizers, `train/grad_norm/<name>`) at the trainer's logging steps, beside train/loss. It is the norm of the
+several optimizers, `train/grad_norm/<name>`; another key under `callbacks` names it instead of grad_norm) at the
+trainer's logging steps, beside train/loss. It is the norm of the
 global batch's mean gradient, unscaled and before clipping (`trainer.grad_clip_norm` compares this number with its
 threshold): the same under every strategy and accumulation (under FSDP, over every rank's shards).
 """
@@ -31,5 +32,6 @@ class GradNorm(Callback):
         step = state.global_step + 1  # the step this update makes, as train/loss counts it
         if step % trainer.log_every_n_steps:
             return  # .item() is a host sync: only where the trainer syncs to log anyway
-        name = f"train/grad_norm/{optimizer_name}" if optimizer_name else "train/grad_norm"
+        # Its own key under `callbacks` names the metric: two such callbacks (two norms) log two metrics.
+        name = f"train/{self.name}/{optimizer_name}" if optimizer_name else f"train/{self.name}"
         trainer.writer.log_metrics({name: global_grad_norm(optimizer, self.norm_type).item()}, step)
