@@ -272,7 +272,8 @@ def test_more_validation_windows_than_the_split_holds_is_one_line(char_tokens):
 
 
 def hf_tokenizer(kind: str, text: str):
-    """A tokenizer built here: a byte-level BPE (GPT-2's kind), the same adding <s> before a text (Llama's), a
+    """A tokenizer built here: a byte-level BPE (GPT-2's kind), the same adding a space before a text
+    (ByteLevel(add_prefix_space=True): before the whole text's alone), the same adding <s> before a text (Llama's), a
     WordPiece adding [CLS] before and [SEP] after (BERT's), with padding on (a batch encoded padded would pad), or a
     BPE whose words are split at spaces alone (SentencePiece's Metaspace: a line break is inside a word)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
@@ -292,7 +293,7 @@ def hf_tokenizer(kind: str, text: str):
         tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
         alphabet = []
     else:
-        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=kind == "byte-level bpe prefix space")
         tokenizer.decoder = decoders.ByteLevel()
         alphabet = pre_tokenizers.ByteLevel.alphabet()
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>"], initial_alphabet=alphabet)
@@ -302,7 +303,9 @@ def hf_tokenizer(kind: str, text: str):
     return tokenizer
 
 
-@pytest.mark.parametrize("kind", ["byte-level bpe", "bpe <s>", "wordpiece [CLS] [SEP]", "metaspace bpe"])
+@pytest.mark.parametrize(
+    "kind", ["byte-level bpe", "byte-level bpe prefix space", "bpe <s>", "wordpiece [CLS] [SEP]", "metaspace bpe"]
+)
 def test_each_file_is_encoded_as_its_whole_text(kind, tmp_path, monkeypatch):
     """--tokenizer PATH, a batch of lines at a time (tiny batches here, of pieces of a few lines): each file's ids
     are those of `tokenizer.encode(its text)`: byte-level BPE's merges across line breaks (an indent is one word with
