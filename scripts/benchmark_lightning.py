@@ -4,6 +4,7 @@ with its logger, checkpoints and progress bar off and with its defaults; and a w
 start-up to exit, against `python src/train.py`. Imported by benchmark.py."""
 
 import importlib.util
+import math
 import statistics
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from benchmark_loops import DEFAULT_THREADS, datasets
+from benchmark_loops import DEFAULT_THREADS, WORKLOADS, compose_config, datasets, hydraloop_epoch, timed
 from hydra.utils import instantiate
 from torch.utils.data import DataLoader
 
@@ -74,6 +75,38 @@ def lightning_epoch_rates(cfg, device: torch.device, defaults: bool, epochs: int
         )
         trainer.fit(Module(), loader)
     return epochs * steps * cfg.data.batch_size / (times.starts[-1] - times.starts[1])
+
+
+def lightning_throughput(args, device: torch.device) -> list[dict]:
+    """(e): hydraloop's loop against Lightning's Trainer on the same model and batches, in one process, samples taken
+    in turn; Lightning quiet (no logger, checkpoints or progress bar) and with its defaults."""
+    rows = []
+    for name in args.lightning_workloads:
+        cfg = compose_config([*WORKLOADS[name], f"trainer.precision={args.precision}"])
+        hydraloop = hydraloop_epoch(cfg, device)
+        hydraloop()  # warm-up
+        start = time.perf_counter()
+        hydraloop()
+        epochs = max(1, math.ceil(0.5 / (time.perf_counter() - start)))
+        samples = {"hydraloop": [], "Lightning, quiet": [], "Lightning, defaults": []}
+        for _ in range(args.repeats):
+            samples["hydraloop"].append(timed(hydraloop, device, epochs))
+            samples["Lightning, quiet"].append(lightning_epoch_rates(cfg, device, defaults=False, epochs=epochs))
+            samples["Lightning, defaults"].append(lightning_epoch_rates(cfg, device, defaults=True, epochs=epochs))
+        ratios = {
+            label: statistics.median(ours / theirs for ours, theirs in zip(samples["hydraloop"], samples[label]))
+            for label in ("Lightning, quiet", "Lightning, defaults")
+        }
+        rows.append(
+            {
+                "workload": name,
+                "ratio_vs_quiet": ratios["Lightning, quiet"],
+                "ratio_vs_defaults": ratios["Lightning, defaults"],
+                "samples_per_s": {k: statistics.median(v) for k, v in samples.items()},
+                "samples": samples,
+            }
+        )
+    return rows
 
 
 LIGHTNING_DIGITS_RUN = """

@@ -20,7 +20,8 @@ from torch.utils.data import DataLoader, Dataset
 from hydraloop.batches import count_rows
 from hydraloop.callbacks import build_callbacks
 from hydraloop.checkpoint import TrainState
-from hydraloop.data.loaders import SeededAugmentation, build_loaders
+from hydraloop.data.loaders import build_loaders
+from hydraloop.data.seeded_augmentation import SeededAugmentation
 from hydraloop.optim import build_optimizer
 from hydraloop.parallel.single import SingleDevice
 from hydraloop.perf import Throughput

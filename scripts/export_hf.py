@@ -25,9 +25,9 @@ import torch
 from hydra.utils import instantiate
 
 from hydraloop.checkpoint import load_checkpoint
-from hydraloop.data.tokens import Codec, names_a_tokenizer
+from hydraloop.data.codec import Codec, names_a_tokenizer
 from hydraloop.errors import BAD_INPUT_EXIT_CODE, ConfigError
-from hydraloop.models.hf import import_transformers
+from hydraloop.huggingface import import_transformers
 
 HF_MODEL = "hydraloop.models.hf.hf_model"
 

@@ -23,7 +23,7 @@ import torch
 from hydra.utils import instantiate
 
 from hydraloop.checkpoint import load_checkpoint
-from hydraloop.data.tokens import Codec, names_a_tokenizer
+from hydraloop.data.codec import Codec, names_a_tokenizer
 from hydraloop.errors import BAD_INPUT_EXIT_CODE, ConfigError
 from hydraloop.models.hf import generate as hf_generate
 from hydraloop.models.hf import is_transformers_model

@@ -1,8 +1,8 @@
 """hydraloop's one entrypoint: `python src/train.py [group=option ...] [key=value ...]`.
 
 Reads top to bottom: `main` runs once, in the launching process (checks the config, starts the ranks); `train`
-runs in every rank (sets up the parallel strategy; `build_and_run` builds data, model, optimizer and run writer from
-the config, then hands them to the loop).
+runs in every rank (sets up the parallel strategy; `build_and_run` builds the run's parts from the config with
+hydraloop.build, runs the loop, and writes the final metrics).
 """
 
 import gc
@@ -29,14 +29,14 @@ import torch._dynamo  # noqa: F401  every torch.optim optimizer imports it in it
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from hydraloop.activation_checkpointing import checkpoint_activations, checkpointed_classes
 from hydraloop.backends import configure_backends
-from hydraloop.callbacks import build_callbacks, reported_metrics
+from hydraloop.build import build_run_parts
 from hydraloop.checkpoint import TrainState, load_checkpoint
-from hydraloop.checks import check_launch, check_required
-from hydraloop.command_line import check_command_line, resolved
+from hydraloop.checks.command_line import check_command_line
+from hydraloop.checks.composition import resolved
+from hydraloop.checks.config_values import check_required
+from hydraloop.checks.launch import check_launch
 from hydraloop.config import register_configs
-from hydraloop.data.loaders import build_loaders
 from hydraloop.errors import (
     ConfigError,
     Interrupted,
@@ -49,31 +49,16 @@ from hydraloop.errors import (
     require,
     unwrap_instantiation,
 )
-from hydraloop.loggers import JobInfo, build_logger
-from hydraloop.metrics import MetricSet
-from hydraloop.optim import build_optimizers, optimizer_nodes, part_modules, schedule_node
+from hydraloop.loggers import JobInfo
 from hydraloop.parallel.cluster import export_submitit_rank_env
 from hydraloop.parallel.single import SingleDevice
 from hydraloop.parallel.sweep_share import take_machine_share
-from hydraloop.perf import Throughput, flops_per_sample, peak_flops
-from hydraloop.precision import Precision
 from hydraloop.predict import predict
-from hydraloop.preemption import StopRequest
 from hydraloop.rank_logging import FORMAT, JOB_LOG_ONLY, setup_rank_logging
-from hydraloop.resume import (
-    check_resumable,
-    checkpoint_to_resume,
-    finished_records,
-    is_own,
-    load_weights,
-    restore,
-    train_state,
-)
+from hydraloop.resume import check_resumable, checkpoint_to_resume, finished_records
 from hydraloop.run_lock import owned_run_directory
 from hydraloop.run_records import held_until_accepted, holds_training_run
-from hydraloop.run_writer import NullRunWriter, RunWriter
-from hydraloop.seeding import seed_everything
-from hydraloop.trainer import Trainer, planned_steps, schedule_plan
+from hydraloop.trainer import Trainer
 from hydraloop.trial import first_call_named, named_option
 
 gc.freeze()
@@ -114,7 +99,8 @@ def train(cfg: DictConfig, job: JobInfo) -> dict:
 
 
 def build_and_run(cfg: DictConfig, strategy: SingleDevice, job: JobInfo) -> dict:
-    """Builds data, model, optimizer and run writer from the config, then trains or evaluates.
+    """Builds the run's parts from the config (hydraloop.build), then trains or evaluates, and has rank 0 write the
+    final metrics; mode=predict predicts (hydraloop.predict).
 
     A function of its own so that all it builds is freed on return, while the process group still exists. A DDP
     reducer holds the group; were it the group's last owner, its destructor would join gloo's threads while holding
@@ -129,123 +115,20 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice, job: JobInfo) -> dict
     task = instantiate(cfg.task)
     if cfg.mode == "predict":
         return predict(cfg, strategy, task)
-    task.extra_metrics = MetricSet(cfg.metrics, strategy.device)
-    train_set, val_set = instantiate(cfg.data.dataset)
-    task.check_sample(train_set[0], f"data.dataset._target_={cfg.data.dataset._target_}")
-    train_loader, val_loader = build_loaders(
-        train_set,
-        val_set,
-        global_batch_size=cfg.data.batch_size,
-        global_val_batch_size=cfg.data.val_batch_size or cfg.data.batch_size,
-        rank=strategy.rank,
-        world_size=strategy.world_size,
-        seed=cfg.seed,
-        num_workers=cfg.data.num_workers,
-        drop_last=cfg.data.drop_last,
-        shuffle=cfg.data.shuffle,
-        device=strategy.device,
-        on_device=cfg.data.on_device,
-        prefetch_factor=cfg.data.prefetch_factor,
-        limit_train_batches=cfg.trainer.limit_train_batches,
-        limit_train_samples=cfg.trainer.limit_train_samples,
-    )
-
-    seed_everything(cfg.seed)  # the same on every rank: DDP starts from the weights single-process starts from
-    model = strategy.build(lambda: instantiate(cfg.model))
-    num_params = sum(p.numel() for p in model.parameters())  # before a strategy shards it
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    log.info("model %s: %s parameters (%s trainable)", type(model).__name__, f"{num_params:,}", f"{trainable:,}")
-    throughput = Throughput(
-        task.tokens_per_sample,
-        flops_per_sample(model, task.tokens_per_sample),
-        peak_flops(strategy.device, cfg.trainer.peak_tflops),
-        gpus=strategy.world_size * len(strategy.devices),
-    )
-    checkpoint_activations(model, checkpointed_classes(cfg.trainer.activation_checkpointing, model))
-    if cfg.trainer.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    if cfg.trainer.compile:
-        model.compile()  # in place: no wrapper, so checkpoint keys stay those of the plain model
-    model = strategy.wrap(model, part_modules(cfg.optimizer))
-    optimizers = build_optimizers(cfg.optimizer, strategy.unwrap(model))
-    # Per rank, per start: a restarted rank finds the latest checkpoint. Training loads all of it, evaluation the
-    # weights; the state comes first, as the schedule plans the run's steps from where it stands.
-    ckpt_path = checkpoint_to_resume(cfg)
-    own = bool(ckpt_path) and is_own(ckpt_path, cfg)
-    checkpoint = load_checkpoint(ckpt_path, lazy=True) if ckpt_path and cfg.mode == "train" else None
-    state = train_state(checkpoint, cfg, own) if checkpoint else TrainState()
-    sampler = train_loader.sampler
-    total_steps = planned_steps(cfg.trainer.max_steps, cfg.trainer.max_epochs, state, sampler)
-    log.info("%d optimizer steps per epoch, %d in all", sampler.steps_per_epoch, total_steps)
-    schedule_step, schedule_steps = schedule_plan(cfg.trainer.max_steps, cfg.trainer.max_epochs, state, sampler)
-    schedulers = {  # each optimizer's own: from `scheduler`, or from its own node's
-        name: instantiate(schedule_node(node, cfg.scheduler))(
-            optimizers[name], total_steps=schedule_steps, steps_per_epoch=sampler.steps_per_epoch
-        )
-        for name, node in optimizer_nodes(cfg.optimizer).items()
-    }
-    precision = Precision(cfg.trainer.precision, strategy.device)
-    if checkpoint:
-        restore(checkpoint, strategy, model, optimizers, schedulers, precision, schedule_step)
-    elif ckpt_path:
-        state = load_weights(ckpt_path, strategy, model, cfg.ckpt_weights)
-    if ckpt_path:
-        log.info("loaded %s: epoch %d, step %d", ckpt_path, state.epoch, state.global_step)
-
-    config = OmegaConf.to_container(cfg, resolve=True)
-    callbacks = build_callbacks(cfg.callbacks) if cfg.mode == "train" else {}
-    writer = (
-        RunWriter(
-            cfg.output_dir,
-            build_logger(cfg.logger),
-            config,
-            save_checkpoints=cfg.trainer.save_checkpoints and cfg.mode == "train",
-            profile=cfg.trainer.profile,
-            keep_last_k=cfg.trainer.keep_last_k,
-            start_step=state.global_step,
-            num_params=num_params,
-            job=job,
-            val_metrics=reported_metrics(task.all_metrics(), callbacks),
-        )
-        if strategy.is_main_process
-        else NullRunWriter()
-    )
-    stop_request = StopRequest()
-    trainer = Trainer(
-        strategy,
-        writer,
-        precision,
-        task,
-        cfg.trainer,
-        model=model,
-        optimizers=optimizers,
-        schedulers=schedulers,
-        throughput=throughput,
-        seed=cfg.seed,
-        optimized_metric=cfg.optimized_metric,
-        optimized_metric_mode=cfg.optimized_metric_mode,
-        config=config,
-        global_batch_size=cfg.data.batch_size,
-        stop_request=stop_request,
-        rerun_starts_from=f"{ckpt_path} (step {state.global_step})" if ckpt_path else "scratch",
-        validated=checkpoint["metrics"] if own and checkpoint else None,
-        callbacks=callbacks,
-    )
-    if checkpoint:
-        trainer.load_callback_states(checkpoint.get("callbacks", {}))
+    run = build_run_parts(cfg, strategy, job, task)
     # A stop signal while training (SIGTERM, SIGUSR1, SIGUSR2): a checkpoint where the ranks next meet, then a stop;
     # one at or after the last step's meeting lets the run finish, metrics.json included (hydraloop.preemption).
-    with stop_request if cfg.mode == "train" else nullcontext():
+    with run.stop_request if cfg.mode == "train" else nullcontext():
         # What the launcher's trial batch could not try (hydraloop.trial): the model's first call failing is one line.
-        with first_call_named(strategy.unwrap(model), named_option(cfg, "model")):
+        with first_call_named(strategy.unwrap(run.model), named_option(cfg, "model")):
             if cfg.mode == "eval":
-                metrics = trainer.validate(val_loader, state)
+                metrics = run.trainer.validate(run.val_loader, run.state)
             else:
-                metrics = trainer.fit(train_loader, val_loader, state)
+                metrics = run.trainer.fit(run.train_loader, run.val_loader, run.state)
             if cfg.trainer.eval_best:
-                metrics.update(evaluate_best(cfg, strategy, trainer))
-        metrics.update({"model/params": num_params, "model/trainable_params": trainable})
-        writer.finish(metrics)
+                metrics.update(evaluate_best(cfg, strategy, run.trainer))
+        metrics.update({"model/params": run.num_params, "model/trainable_params": run.trainable_params})
+        run.writer.finish(metrics)
     return metrics
 
 
@@ -322,7 +205,7 @@ def main(cfg: DictConfig) -> float:
 
 
 def check_job(cfg: DictConfig) -> None:
-    """The launcher's checks of one job of a sweep, before the first job starts (hydraloop.command_line)."""
+    """The launcher's checks of one job of a sweep, before the first job starts (hydraloop.checks.command_line)."""
     check_launch(cfg, instantiate(cfg.parallel, device=cfg.device))
 
 

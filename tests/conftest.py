@@ -259,3 +259,28 @@ def write_random_tokens(folder: Path, train_tokens: int, vocab_size: int = 64) -
 def token_folder(tmp_path_factory) -> Path:
     """A small data=tokens folder, with GPT-2's vocabulary size (the gpt2_124m recipe reads it)."""
     return write_random_tokens(tmp_path_factory.mktemp("tokens") / "random", 20_000, vocab_size=50257)
+
+
+def prepare_tokens(source: Path, out: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python scripts/prepare_text.py SOURCE OUT ARGS`: a data=tokens folder made from text."""
+    command = [sys.executable, str(REPO / "scripts" / "prepare_text.py"), str(source), str(out), *args]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def char_tokens(tmp_path_factory, train_env) -> Path:
+    """The bundled corpus, prepared at char level."""
+    from hydraloop.data.text import corpus_path
+
+    out = tmp_path_factory.mktemp("tokens") / "char"
+    done = prepare_tokens(corpus_path(None), out, env=train_env)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+@pytest.fixture(scope="session")
+def plays(tmp_path_factory) -> tuple[Path, Path]:
+    """The data=hf tests' csv of labelled lines of the plays, and a tokenizer trained on them (tests/plays.py)."""
+    from plays import write_plays
+
+    return write_plays(tmp_path_factory.mktemp("plays"))

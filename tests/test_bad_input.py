@@ -8,7 +8,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 
 from conftest import REPO, bad_input_line
-from hydraloop.checks import check_group_options
+from hydraloop.checks.command_line import check_group_options
 from hydraloop.errors import ConfigError
 
 HALF_WRITTEN = ("checkpoints", "metrics.json", "tensorboard")
@@ -85,7 +85,7 @@ def test_out_of_range_value(run_refused, override, message):
     ],
 )
 def test_a_value_the_model_optimizer_or_scheduler_refuses_ends_the_run_before_any_rank(run_refused, overrides, message):
-    """checks.check_model and check_optimization build them in the launcher (the model on the meta device, the
+    """arguments.check_model and check_optimization build them in the launcher (the model on the meta device, the
     optimizer and the scheduler on one CPU parameter): the ranks would otherwise each fail with a traceback from
     inside Hydra's instantiate (or, for a schedule or an even kernel, at their first step)."""
     run = run_refused("parallel=ddp", *overrides)
@@ -226,7 +226,7 @@ def test_a_group_option_registered_in_python_is_an_option():
     ],
 )
 def test_what_hydras_composition_refuses_is_one_line_before_anything_is_made(run_refused, tmp_path, override, message):
-    """Hydra's own errors for these span several lines and exit with 1 (hydraloop.command_line composes first)."""
+    """Hydra's own errors for these span several lines and exit 1 (hydraloop.checks.command_line composes first)."""
     run = run_refused(override, run_dir=tmp_path / "never")
     assert bad_input_line(run).endswith(message)
     assert not run.run_dir.exists()

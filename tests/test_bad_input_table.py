@@ -1,7 +1,12 @@
 """The bad-input promise, one row per kind of mistake, through the real command line: one line naming the key and
 the value, exit 2, no traceback, and nothing written (a new run directory is never made). The kinds are those of a
 campaign of 182 plausible mistakes: Hydra's composition errors, errors that used to escape as Hydra's "Error
-executing job", what only a rank used to find, tracebacks, misleading one-liners, and the helper scripts."""
+executing job", what only a rank used to find, tracebacks, misleading one-liners, and the helper scripts.
+
+Past 300 lines because it is one table: the campaign's rows (ROWS, TENSOR_FILES, the launcher's variables, the helper
+scripts' SCRIPT_ROWS) and the few mistakes that need a setting of their own, each asserting the same promise with the
+same helpers (`made`'s files, `assert_refused_before_anything`); read whole, it is the one list of every kind of
+mistake the promise covers."""
 
 import shutil
 import subprocess

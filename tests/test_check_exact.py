@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from conftest import REPO, bad_input_line
-from hydraloop.data.loaders import GlobalBatchSampler
-from hydraloop.exactness import FinalState, PartDifference, compare, difference, table
+from hydraloop.data.samplers import GlobalBatchSampler
+from hydraloop.exactness import PartDifference, compare, difference, table
+from hydraloop.final_state import FinalState
 
 CHECK = REPO / "scripts" / "check_exact.py"
 

@@ -10,7 +10,8 @@ from torch.utils.data import TensorDataset
 
 from conftest import REPO, compose_train
 from hydraloop.arguments import check_arguments, check_model, check_optimization
-from hydraloop.data.loaders import ShardSampler, build_loaders
+from hydraloop.data.loaders import build_loaders
+from hydraloop.data.samplers import ShardSampler
 from hydraloop.optim import config_key, optimizer_factory, optimizer_nodes
 from hydraloop.seeding import epoch_seed
 
@@ -65,7 +66,7 @@ NEEDS = {  # the values an option requires (???), or the data it is meant for
 
 @pytest.mark.parametrize("option", SHIPPED_OPTIONS)
 def test_every_shipped_option_passes_the_launchers_checks_of_keys_and_values(option, token_folder):
-    """checks.check_arguments refuses a key its node's _target_ does not take, check_model and check_optimization a
+    """arguments.check_arguments refuses a key its node's _target_ does not take, check_model and check_optimization a
     value the model, the optimizer or the scheduler refuses; no shipped config has either (the refusals themselves:
     test_bad_input.py)."""
     needs = [value.replace("TOKENS", str(token_folder)) for value in NEEDS.get(option, [])]

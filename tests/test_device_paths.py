@@ -23,11 +23,11 @@ from hydraloop.parallel.dataparallel import DataParallelStrategy, autocast_repli
 from hydraloop.parallel.ddp import DDPStrategy
 from hydraloop.parallel.fsdp import FSDPStrategy
 from hydraloop.parallel.single import SingleDevice, resolve_device
+from hydraloop.perf import interval_peak_memory_gb
 from hydraloop.precision import Precision
-from hydraloop.resume import restore, train_state
+from hydraloop.restore import restore, train_state
 from hydraloop.schedulers import constant
 from hydraloop.seeding import StepSeeder
-from hydraloop.trainer import interval_peak_memory_gb
 
 
 @pytest.fixture

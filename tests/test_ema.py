@@ -12,7 +12,7 @@ from hydra.utils import instantiate
 
 from conftest import bad_input_line, compose_train, max_param_diff
 from hydraloop.parallel.single import SingleDevice
-from hydraloop.resume import load_weights
+from hydraloop.restore import load_weights
 from hydraloop.seeding import seed_everything
 
 TOLERANCE = 1e-5  # as for DDP and FSDP's weights: per-rank mean gradients against one mean

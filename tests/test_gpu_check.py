@@ -6,7 +6,7 @@ import importlib.util
 import pytest
 
 from conftest import REPO
-from hydraloop.command_line import check_command_line
+from hydraloop.checks.command_line import check_command_line
 
 pytestmark = pytest.mark.fast  # composing and checking configs: the fast tier
 

@@ -10,7 +10,7 @@ import torch
 from hydra.utils import instantiate
 
 from conftest import REPO, max_param_diff
-from hydraloop.data.tokens import Codec
+from hydraloop.data.codec import Codec
 from hydraloop.errors import BAD_INPUT_EXIT_CODE, ConfigError
 
 transformers = pytest.importorskip("transformers", reason="the hf extra (in dev)")
@@ -233,9 +233,8 @@ def test_a_missing_extra_is_one_line_naming_it(monkeypatch):
     """As on a machine without the extras: find_spec finds none of their packages."""
     import importlib.util
 
-    from hydraloop.data.hf import import_datasets
+    from hydraloop.huggingface import import_datasets, import_transformers
     from hydraloop.metrics import MetricSet
-    from hydraloop.models.hf import import_transformers
     from hydraloop.models.timm_model import import_timm
 
     real = importlib.util.find_spec

@@ -13,7 +13,8 @@ from hydra.utils import instantiate
 
 from conftest import TRAIN, compose_train, max_param_diff, read_checkpoint, wait_for
 from hydraloop.data.batch_transforms import CollateThenTransform, split_elementwise_tail
-from hydraloop.data.loaders import SeededAugmentation, auto_num_workers, build_loaders
+from hydraloop.data.loaders import auto_num_workers, build_loaders
+from hydraloop.data.seeded_augmentation import SeededAugmentation
 from hydraloop.errors import ConfigError
 from hydraloop.models.torchvision_model import torchvision_model
 
@@ -159,7 +160,7 @@ def test_named_weights_load_from_the_hub_cache_and_a_new_head_starts_fresh(tmp_p
         )
         == 0.0
     )
-    with torch.device("meta"):  # the launcher's check (checks.check_model): the file is found, nothing is read
+    with torch.device("meta"):  # the launcher's check (arguments.check_model): the file is found, nothing is read
         assert torchvision_model("resnet18", num_classes=10, weights="DEFAULT").fc.weight.is_meta
 
 

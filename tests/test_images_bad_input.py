@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from PIL import Image
 
 from conftest import REPO, bad_input_line, compose_train
-from hydraloop.checks import check_config
+from hydraloop.checks.config_values import check_config
 from hydraloop.errors import ConfigError, unwrap_instantiation
 
 

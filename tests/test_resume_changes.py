@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import max_param_diff, read_checkpoint
-from hydraloop.data.loaders import GlobalBatchSampler
+from hydraloop.data.samplers import GlobalBatchSampler
 
 
 def checkpoint(run_dir, name: str = "last.pt") -> dict:

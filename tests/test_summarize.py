@@ -19,8 +19,9 @@ def summarize(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, timeout=120)
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("summarize", SCRIPT)
+def load_sweep_jobs():
+    """scripts/sweep_jobs.py, summarize.py's reading of the job folders."""
+    spec = importlib.util.spec_from_file_location("sweep_jobs", REPO / "scripts" / "sweep_jobs.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
@@ -83,7 +84,7 @@ def test_lr_sweep_summary(run_train, tmp_path):
     assert image[..., :3].std() > 0.05  # lines and text on white, not an empty canvas
 
     # The curves come from TensorBoard: one point per epoch, ending at the final metrics.
-    module = load_script()
+    module = load_sweep_jobs()
     job = module.read_job(sweep / "0")
     module.read_curves(job)
     assert job.from_events
@@ -117,7 +118,7 @@ def test_without_events_and_minimizing_val_loss(run_train, tmp_path):
         written, key=lambda job: written[job]["val/loss"]
     )
 
-    module = load_script()  # no events: the final point from metrics.json
+    module = load_sweep_jobs()  # no events: the final point from metrics.json
     job = module.read_job(sweep / "1")
     module.read_curves(job)
     assert not job.from_events
@@ -129,7 +130,7 @@ def test_a_sweep_logged_to_csv_alone_gets_its_curves_from_metrics_csv(run_train,
     sweep = tmp_path / "sweep"
     run = run_train("-m", "seed=0,1", "trainer.max_epochs=2", "logger=csv", f"hydra.sweep.dir={sweep}")
     assert run.returncode == 0, run.output
-    module = load_script()
+    module = load_sweep_jobs()
     job = module.read_job(sweep / "1")
     module.read_curves(job)
     with (sweep / "1" / "metrics.csv").open() as handle:

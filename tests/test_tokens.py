@@ -1,10 +1,8 @@
-"""data=tokens and scripts/prepare_text.py through the command line: memory-mapped token files train what data=text
-trains on the same tokens; random windows are exact under ddp, fsdp, accumulation and resume; a fixed validation
-draw is the same under 1 and 2 ranks; memory stays flat in the corpus size; bad files are one line."""
+"""data=tokens through the command line: memory-mapped token files (scripts/prepare_text.py's, whose own tests are
+tests/test_prepare_text.py) train what data=text trains on the same tokens; random windows are exact under ddp, fsdp,
+accumulation and resume; a fixed validation draw is the same under 1 and 2 ranks; memory stays flat in the corpus
+size; bad files are one line."""
 
-import argparse
-import gzip
-import importlib.util
 import json
 import math
 import pickle
@@ -15,12 +13,11 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO, bad_input_line, compose_train, max_param_diff, write_random_tokens
+from conftest import REPO, bad_input_line, compose_train, max_param_diff, prepare_tokens, write_random_tokens
 from hydraloop.data.text import corpus_path
 from hydraloop.data.tokens import RandomWindows, TokenFile, load_tokens
 from hydraloop.errors import ConfigError
 
-PREPARE = REPO / "scripts" / "prepare_text.py"
 GPT = (
     "model=gpt",
     "task=language_model",
@@ -32,27 +29,6 @@ GPT = (
     "trainer.max_steps=8",
     "logger=none",
 )
-
-
-def script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def prepare(source, out, *args, env=None) -> subprocess.CompletedProcess:
-    command = [sys.executable, str(PREPARE), str(source), str(out), *args]
-    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def char_tokens(tmp_path_factory, train_env):
-    """The bundled corpus, prepared at char level."""
-    out = tmp_path_factory.mktemp("tokens") / "char"
-    done = prepare(corpus_path(None), out, env=train_env)
-    assert done.returncode == 0, done.stderr
-    return out
 
 
 def test_strided_token_files_train_what_data_text_trains_on_the_same_tokens(run_train, char_tokens):
@@ -87,54 +63,6 @@ def test_a_nanogpt_folder_with_its_meta_pkl_trains_as_the_same_tokens_with_meta_
     assert (
         f"data.dataset.dir={nanogpt}: meta.pkl is not a plain pickle of a vocabulary (it names builtins.print)" in line
     )
-
-
-def test_several_processes_encode_the_same_token_files_as_one(train_env, tmp_path):
-    text = tmp_path / "corpus.txt"
-    lines = [f"line {i}: {'abcdefghij' * (i % 7)} é\n" for i in range(60000)]
-    text.write_text("".join(lines))  # about 3 MB: batches of 1 MB for the processes to share
-    for tokenizer in ("char", "byte"):
-        outs = [tmp_path / f"{tokenizer}{n}" for n in (1, 3)]
-        for out, n in zip(outs, (1, 3)):
-            done = prepare(text, out, "--tokenizer", tokenizer, "--processes", str(n), env=train_env)
-            assert done.returncode == 0, done.stderr
-        for name in ("train.bin", "val.bin", "meta.json"):
-            assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), (tokenizer, name)
-
-
-def test_preparing_again_leaves_the_folder_and_another_corpus_is_refused(train_env, char_tokens, tmp_path):
-    before = {path.name: path.stat().st_mtime_ns for path in char_tokens.iterdir()}
-    again = prepare(corpus_path(None), char_tokens, env=train_env)
-    assert again.returncode == 0 and "up to date" in again.stdout, again.stderr
-    assert {path.name: path.stat().st_mtime_ns for path in char_tokens.iterdir()} == before
-    other = tmp_path / "other.txt"
-    other.write_text("to be or not to be\n" * 50)
-    refused = prepare(other, char_tokens, env=train_env)
-    assert refused.returncode == 2 and "holds token files of other sources or settings" in refused.stderr
-    assert {path.name: path.stat().st_mtime_ns for path in char_tokens.iterdir()} == before
-
-
-def test_byte_tokens_are_any_files_bytes_and_a_half_made_folder_is_made_again(train_env, tmp_path):
-    latin1 = tmp_path / "latin1.txt"
-    latin1.write_bytes(b"caf\xe9 cr\xe8me\n" * 40)  # not UTF-8
-    out = tmp_path / "bytes"
-    assert prepare(latin1, out, "--tokenizer", "byte", env=train_env).returncode == 0
-    tokens = np.concatenate([np.fromfile(out / f"{split}.bin", np.uint16) for split in ("train", "val")])
-    assert tokens.tobytes() == np.frombuffer(latin1.read_bytes(), np.uint8).astype(np.uint16).tobytes()
-    (out / "val.bin").unlink()  # a folder left half made: the same command makes it again
-    again = prepare(latin1, out, "--tokenizer", "byte", env=train_env)
-    assert again.returncode == 0 and "up to date" not in again.stdout and (out / "val.bin").is_file()
-
-
-def test_a_gzip_file_cut_short_is_one_line_and_nothing_written(train_env, tmp_path):
-    cut = tmp_path / "cut.txt.gz"
-    cut.write_bytes(gzip.compress(corpus_path(None).read_bytes())[:50_000])
-    done = prepare(cut, tmp_path / "out", env=train_env)
-    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == (
-        f"prepare_text.py: error: SOURCE {cut}: not a whole gzip file (Compressed file ended before the "
-        "end-of-stream marker was reached)"
-    )
-    assert not (tmp_path / "out").exists()
 
 
 def test_random_windows_are_a_function_of_seed_epoch_and_index(char_tokens):
@@ -258,7 +186,7 @@ def test_a_spoiled_token_folder_is_one_line_before_any_rank_starts(run_train, ch
 def test_a_block_longer_than_the_val_split_is_one_line(run_train, tmp_path, train_env):
     text = tmp_path / "short.txt"
     text.write_text("a few words\n" * 20)  # 240 characters: 24 of them val
-    assert prepare(text, tmp_path / "short", env=train_env).returncode == 0
+    assert prepare_tokens(text, tmp_path / "short", env=train_env).returncode == 0
     run = run_train(*GPT, "data=tokens", f"data.dataset.dir={tmp_path / 'short'}", run_dir=tmp_path / "run")
     assert "data.block_size=32: val.bin of" in bad_input_line(run) and not (tmp_path / "run").exists()
 
@@ -271,100 +199,11 @@ def test_more_validation_windows_than_the_split_holds_is_one_line(char_tokens):
         load_tokens(str(char_tokens), 32, val_windows=10_000_000)
 
 
-def hf_tokenizer(kind: str, text: str):
-    """A tokenizer built here: a byte-level BPE (GPT-2's kind), the same adding a space before a text
-    (ByteLevel(add_prefix_space=True): before the whole text's alone), the same adding <s> before a text (Llama's), a
-    WordPiece adding [CLS] before and [SEP] after (BERT's), with padding on (a batch encoded padded would pad), or a
-    BPE whose words are split at spaces alone (SentencePiece's Metaspace: a line break is inside a word)."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-
-    if kind == "wordpiece [CLS] [SEP]":
-        tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-        tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
-        tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-        specials = ["[UNK]", "[CLS]", "[SEP]", "[PAD]"]
-        tokenizer.train_from_iterator([text], trainers.WordPieceTrainer(vocab_size=400, special_tokens=specials))
-        cls, sep = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
-        tokenizer.post_processor = processors.BertProcessing(("[SEP]", sep), ("[CLS]", cls))
-        tokenizer.enable_padding(pad_token="[PAD]", pad_id=tokenizer.token_to_id("[PAD]"))
-        return tokenizer
-    tokenizer = Tokenizer(models.BPE())
-    if kind == "metaspace bpe":
-        tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
-        alphabet = []
-    else:
-        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=kind == "byte-level bpe prefix space")
-        tokenizer.decoder = decoders.ByteLevel()
-        alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>"], initial_alphabet=alphabet)
-    tokenizer.train_from_iterator([text], trainer)  # merges across line breaks too: a blank line's, an indent's
-    if kind == "bpe <s>":
-        tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
-    return tokenizer
-
-
-@pytest.mark.parametrize(
-    "kind", ["byte-level bpe", "byte-level bpe prefix space", "bpe <s>", "wordpiece [CLS] [SEP]", "metaspace bpe"]
-)
-def test_each_file_is_encoded_as_its_whole_text(kind, tmp_path, monkeypatch):
-    """--tokenizer PATH, a batch of lines at a time (tiny batches here, of pieces of a few lines): each file's ids
-    are those of `tokenizer.encode(its text)`: byte-level BPE's merges across line breaks (an indent is one word with
-    the line break before it) as they are, and the tokens the post-processor adds once, not on every line."""
-    prepare_text = script("prepare_text")
-    monkeypatch.setattr(prepare_text, "BATCH_BYTES", 2048)
-    monkeypatch.setattr(prepare_text, "PIECE_CHARS", 300)
-    plays = corpus_path(None).read_text()
-    indented = "".join(" " * (4 * (i % 3)) + f"line {i}, é\n" + "  \n" * (i % 2) + "\n" for i in range(200))
-    texts = {
-        "a.txt": plays[:6000] + "<s> as text\n" + "a line longer than a batch " * 150 + "\n\n\n  \n" + indented,
-        "b.txt": indented + plays[-6000:] + "\n\n  ",  # no line break at the end
-    }
-    folder = tmp_path / "texts"
-    folder.mkdir()
-    for name, text in texts.items():
-        (folder / name).write_text(text)
-    tokenizer = hf_tokenizer(kind, "".join(texts.values()))
-    tokenizer.save(str(tmp_path / "tokenizer.json"))
-    args = dict(tokenizer=str(tmp_path / "tokenizer.json"), vocab_size=None, special_tokens=[], val_fraction=0.1)
-    prepare_text.prepare(folder, tmp_path / "tokens", argparse.Namespace(**args, overwrite=False, processes=1))
-    ids = np.concatenate([np.fromfile(tmp_path / "tokens" / f"{split}.bin", np.uint16) for split in ("train", "val")])
-    whole = [tokenizer.encode(text).ids for text in texts.values()]
-    assert ids.tolist() == whole[0] + whole[1]
-    lines = [e.ids for text in texts.values() for e in tokenizer.encode_batch(text.splitlines(keepends=True))]
-    assert ids.tolist() != sum(lines, [])  # encoded line by line they differ: the test tells the two apart
-    if kind == "bpe <s>":  # once a file, and once where the text has it
-        assert (ids == tokenizer.token_to_id("<s>")).sum() == 2 + 1
-    if kind == "wordpiece [CLS] [SEP]":
-        assert [(ids == tokenizer.token_to_id(token)).sum() for token in ("[CLS]", "[SEP]")] == [2, 2]
-
-
-def test_a_tokenizer_that_makes_the_whole_text_one_word_is_cut_at_a_line_end_after_a_while(
-    tmp_path, monkeypatch, capsys
-):
-    """Without a pre-tokenizer the whole text is one word, and no place in it is uncrossed: past LONGEST_UNCUT
-    characters it is cut at a line's end all the same, with one line saying so, every character encoded once."""
-    from tokenizers import Tokenizer, models, trainers
-
-    prepare_text = script("prepare_text")
-    monkeypatch.setattr(prepare_text, "BATCH_BYTES", 256)
-    monkeypatch.setattr(prepare_text, "LONGEST_UNCUT", 1024)
-    text = "".join(f"line {i}\n" for i in range(1000))
-    (tmp_path / "lines.txt").write_text(text)
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.train_from_iterator([text], trainers.BpeTrainer(vocab_size=60))
-    tokenizer.save(str(tmp_path / "tokenizer.json"))
-    args = dict(tokenizer=str(tmp_path / "tokenizer.json"), vocab_size=None, special_tokens=[], val_fraction=0.1)
-    prepare_text.prepare(tmp_path / "lines.txt", tmp_path / "tokens", argparse.Namespace(**args, overwrite=False))
-    ids = np.concatenate([np.fromfile(tmp_path / "tokens" / f"{split}.bin", np.uint16) for split in ("train", "val")])
-    assert "".join(tokenizer.id_to_token(int(i)) for i in ids) == text
-    assert capsys.readouterr().err.count("with no place that no word crosses: cut at a line's end") == 1
-
-
 def test_a_bpe_corpus_trains_samples_with_its_tokenizer_and_refuses_another(run_train, tmp_path, train_env):
     text = tmp_path / "plays.txt"
     text.write_text(corpus_path(None).read_text()[:60_000])
     bpe = tmp_path / "bpe"
-    done = prepare(text, bpe, "--tokenizer", "bpe", "--vocab-size", "400", env=train_env)
+    done = prepare_tokens(text, bpe, "--tokenizer", "bpe", "--vocab-size", "400", env=train_env)
     assert done.returncode == 0, done.stderr
     meta = json.loads((bpe / "meta.json").read_text())
     assert meta["vocab_size"] == 400 and meta["tokenizer"]["kind"] == "bpe"
@@ -376,7 +215,7 @@ def test_a_bpe_corpus_trains_samples_with_its_tokenizer_and_refuses_another(run_
     sampled = subprocess.run([*sample, "--prompt", "ROMEO:"], capture_output=True, text=True, env=train_env)
     assert sampled.returncode == 0 and sampled.stdout.startswith("ROMEO:"), sampled.stderr
     # The corpus prepared again with another vocabulary: a resume and sampling each refuse it in one line.
-    again = prepare(text, bpe, "--tokenizer", "bpe", "--vocab-size", "300", "--overwrite", env=train_env)
+    again = prepare_tokens(text, bpe, "--tokenizer", "bpe", "--vocab-size", "300", "--overwrite", env=train_env)
     assert again.returncode == 0, again.stderr
     resumed = run_train(*GPT, "data=tokens", f"data.dataset.dir={bpe}", "data.block_size=16", f"ckpt_path={last}")
     assert "was trained on tokens of another bpe tokenizer than" in bad_input_line(resumed)
@@ -399,7 +238,7 @@ def test_nanogpts_cpu_recipe_takes_its_first_steps_on_the_bundled_plays(run_trai
 def test_the_complete_works_bpe_recipe_takes_its_first_steps_on_the_bundled_corpus(run_train, train_env, tmp_path):
     """The documented command on the bundled .gz, then experiment=shakespeare_bpe's first steps, under ddp."""
     corpus = REPO / "src" / "hydraloop" / "data" / "corpora" / "shakespeare_complete.txt.gz"
-    done = prepare(corpus, tmp_path / "bpe", "--tokenizer", "bpe", "--vocab-size", "2048", env=train_env)
+    done = prepare_tokens(corpus, tmp_path / "bpe", "--tokenizer", "bpe", "--vocab-size", "2048", env=train_env)
     assert done.returncode == 0, done.stderr
     meta = json.loads((tmp_path / "bpe" / "meta.json").read_text())
     assert meta["vocab_size"] == 2048 and sum(meta["tokens"].values()) > 1_500_000  # 5 MB of text, all read

@@ -6,7 +6,8 @@ import torch
 from torch.utils.data import TensorDataset
 
 from conftest import max_param_diff
-from hydraloop.data.loaders import GlobalBatchSampler, build_loaders
+from hydraloop.data.loaders import build_loaders
+from hydraloop.data.samplers import GlobalBatchSampler
 
 TOLERANCE = 1e-5  # float round-off, as in test_exactness.py
 

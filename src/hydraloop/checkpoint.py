@@ -7,7 +7,7 @@ the fields of TrainState (epoch: completed epochs, global_step, best_metric, ...
 epoch_loss_sum, ...: progress into an unfinished epoch), grad_scaler (fp16 loss scale), metrics (the validation
 metrics when saved; empty mid-epoch), rng (torch, cuda: the saving rank's own GPU's or None, numpy, python), config
 (resolved) and callbacks (each callback's state, by name: hydraloop.callbacks). What a resume takes of one is
-hydraloop.resume's.
+hydraloop.restore's.
 """
 
 import logging

@@ -35,7 +35,7 @@ class TrainerConfig:
     schedulers plan for it. null: `max_epochs` decides."""
     max_tokens: int | None = None
     """Or tokens to train in all, for a task that counts them (language_model): the launcher sets `max_steps` to the
-    steps of `data.batch_size` x the tokens of a sample that reach it (hydraloop.checks.apply_token_budget)."""
+    steps of `data.batch_size` x the tokens of a sample that reach it (hydraloop.checks.launch.apply_token_budget)."""
     val_every_n_steps: int | None = None
     """Also validate (and keep checkpoints/best.pt) every this many steps, besides each epoch end; null: epoch ends."""
     ckpt_every_n_steps: int | None = None
@@ -148,7 +148,7 @@ class DataConfig:
     check: Any = None
     """`_target_` called once in the launcher, before any rank starts, that raises ConfigError on bad data (an image
     folder's layout, say), for a data set too costly to build twice; null: the launcher builds the data set itself
-    and checks it (hydraloop.checks.check_data)."""
+    and checks it (hydraloop.checks.data_and_task.check_data)."""
     image_size: int | None = None
     """Image data: the side of the square crops the model sees; the transforms and input_shape follow from it."""
     train_transforms: Any = None

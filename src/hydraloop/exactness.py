@@ -1,16 +1,15 @@
 """Does a run compute what a single-process run computes? Two finished runs compared entry by entry: their final
-checkpoints (a file, or parallel=fsdp's directory of shards, gathered whole by hydraloop.checkpoint.load_checkpoint)
-and the metrics they wrote (`metrics.json`, and `metrics.csv` step by step where logger=csv wrote one).
+checkpoints and the metrics they wrote (read by hydraloop.final_state).
 
-Four parts, each by name and in order: the model's parameters and buffers; the optimizers' state (by parameter name,
-where the model can be built on the meta device to name the positions), their parameter groups and schedules; the
-callbacks' state (EMA's average); the metrics. An entry's difference is `max|a - b|` over the scale of its kind: a
-tensor's over the largest value of every tensor of its part (a parameter: of all parameters and buffers; EMA's
-average likewise), an optimizer state's over the largest of that state (every `exp_avg`, every `exp_avg_sq`: Adam's
-second moments are ~1e-8), a number's over itself. Not each tensor over its own largest value: a parameter whose true
-gradient is zero (an attention key's bias: softmax ignores it) moves by round-off alone, which Adam's normalised step
-turns into steps of any size up to lr, so its values are noise, and noise relative to itself is O(1). An entry that
-one run has and the other lacks, or that differs in a value that is not a number, is an infinite difference.
+Four parts, each by name and in order: the model's parameters and buffers; the optimizers' state, their parameter
+groups and schedules; the callbacks' state (EMA's average); the metrics. An entry's difference is `max|a - b|` over
+the scale of its kind: a tensor's over the largest value of every tensor of its part (a parameter: of all parameters
+and buffers; EMA's average likewise), an optimizer state's over the largest of that state (every `exp_avg`, every
+`exp_avg_sq`: Adam's second moments are ~1e-8), a number's over itself. Not each tensor over its own largest value: a
+parameter whose true gradient is zero (an attention key's bias: softmax ignores it) moves by round-off alone, which
+Adam's normalised step turns into steps of any size up to lr, so its values are noise, and noise relative to itself
+is O(1). An entry that one run has and the other lacks, or that differs in a value that is not a number, is an
+infinite difference.
 
 scripts/check_exact.py runs a user's command under every strategy and prints `table`; tests/test_matrix.py crosses
 the features in a covering array. `StopAfterStep` is the stop signal their stop-then-resume rows send.
@@ -18,13 +17,11 @@ the features in a covering array. `StopAfterStep` is the stop signal their stop-
 
 from __future__ import annotations
 
-import csv
 import fnmatch
-import json
 import math
 import os
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -32,11 +29,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hydraloop.callbacks import Callback
+from hydraloop.callbacks import Callback, TrainerView
+from hydraloop.final_state import FinalState, final_state
 
 if TYPE_CHECKING:
     from hydraloop.checkpoint import TrainState
-    from hydraloop.trainer import Trainer
 
 PARTS = ("parameters", "optimizer", "callbacks", "metrics")
 
@@ -53,13 +50,6 @@ TOLERANCES = {"32": 1e-4, "bf16": 3e-2, "fp16": 1e-2}
 # absolutely, so that one prediction of bf16 that flips at a near tie (1/384 of val/acc 0.1) is not 2.5% of it.
 METRIC_FLOOR = 1.0
 
-# Written by every run and different by design: the world size, and timings (perf/..., train/samples_per_sec).
-UNCOMPARED_METRICS = ("wall_time_s", "world_size")
-
-
-def compared(metric: str) -> bool:
-    return metric not in UNCOMPARED_METRICS and not metric.startswith("perf/") and not metric.endswith("_per_sec")
-
 
 class StopAfterStep(Callback):
     """Sends this process a stop signal (SIGTERM, as SLURM or torchrun would) after optimizer step `step`: the run
@@ -69,109 +59,9 @@ class StopAfterStep(Callback):
     def __init__(self, step: int) -> None:
         self.step = step
 
-    def on_optimizer_step(self, trainer: Trainer, state: TrainState) -> None:
+    def on_optimizer_step(self, trainer: TrainerView, state: TrainState) -> None:
         if state.global_step == self.step:
             os.kill(os.getpid(), signal.SIGTERM)
-
-
-@dataclass
-class FinalState:
-    """What a finished run leaves to compare: its last checkpoint and its metrics, as flat {name: value} per part."""
-
-    parts: dict[str, dict[str, Any]]
-    global_step: int
-
-
-def final_state(run_dir: str | Path) -> FinalState:
-    """The run's `checkpoints/last.pt` (file or shards, gathered) and its metrics, by part."""
-    from hydraloop.checkpoint import load_checkpoint
-
-    run_dir = Path(run_dir)
-    checkpoint = load_checkpoint(run_dir / "checkpoints" / "last.pt", source=str(run_dir / "checkpoints" / "last.pt"))
-    config = checkpoint.get("config") or {}
-    optimizer = dict(_optimizer_entries(checkpoint, config))
-    metrics = {
-        name: value for name, value in json.loads((run_dir / "metrics.json").read_text()).items() if compared(name)
-    }
-    metrics.update(_logged(run_dir / "metrics.csv"))
-    parts = {
-        "parameters": dict(checkpoint["model"]),
-        "optimizer": optimizer,
-        "callbacks": dict(_flat(checkpoint.get("callbacks") or {}, "")),
-        "metrics": metrics,
-    }
-    return FinalState(parts, checkpoint["global_step"])
-
-
-def _optimizer_entries(checkpoint: dict[str, Any], config: dict[str, Any]) -> Iterator[tuple[str, Any]]:
-    """Each optimizer's state by parameter name (`exp_avg[head.weight]`), its groups' settings, its schedule's state,
-    and the fp16 loss scaler's."""
-    from omegaconf import OmegaConf
-
-    from hydraloop.checkpoint import of_each
-    from hydraloop.optim import optimizer_nodes
-
-    nodes = optimizer_nodes(OmegaConf.create(config["optimizer"])) if config.get("optimizer") else {"": None}
-    names = list(nodes)
-    param_names = _parameter_names(config, nodes)
-    schedulers = of_each(checkpoint["scheduler"], names)
-    for name, saved in of_each(checkpoint["optimizer"], names).items():
-        prefix = f"{name}." if name else ""
-        positions = param_names.get(name) or []
-        for position, values in saved["state"].items():
-            param = positions[position] if position < len(positions) else f"#{position}"
-            for key, value in _flat(values, ""):
-                yield f"{prefix}{key}[{param}]", value
-        for index, group in enumerate(saved["param_groups"]):
-            settings = {key: value for key, value in group.items() if key != "params"}
-            yield from _flat(settings, f"{prefix}param_groups.{index}")
-        yield from _flat(schedulers[name], f"{prefix}scheduler")
-    yield from _flat(checkpoint.get("grad_scaler") or {}, "grad_scaler")
-
-
-def _parameter_names(config: dict[str, Any], nodes: dict[str, Any]) -> dict[str, list[str]]:
-    """Each optimizer's parameters' names in the order its state counts them (across its groups), from the model
-    built on the meta device; {} where it cannot be built here (the state is then named by position)."""
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
-
-    from hydraloop.optim import parameter_groups
-
-    try:
-        with torch.device("meta"):
-            model = instantiate(OmegaConf.create(config["model"]))
-        named = {id(param): name for name, param in model.named_parameters()}
-        return {
-            name: [named[id(param)] for group in parameter_groups(model, node) for param in group["params"]]
-            for name, node in nodes.items()
-        }
-    except Exception:  # a model that needs files or packages this process lacks: positions still compare
-        return {}
-
-
-def _logged(path: Path) -> dict[str, float]:
-    """metrics.csv's values as `name@step`, but for the timings."""
-    if not path.is_file():
-        return {}
-    with path.open(newline="") as handle:
-        rows = list(csv.DictReader(handle))
-    return {
-        f"{name}@{row['step']}": float(value)
-        for row in rows
-        for name, value in row.items()
-        if name != "step" and value != "" and compared(name)
-    }
-
-
-def _flat(tree: Any, prefix: str) -> Iterator[tuple[str, Any]]:
-    if isinstance(tree, dict):
-        for key, value in tree.items():
-            yield from _flat(value, f"{prefix}.{key}" if prefix else str(key))
-    elif isinstance(tree, list | tuple) and not all(isinstance(item, int | float) for item in tree):
-        for index, value in enumerate(tree):
-            yield from _flat(value, f"{prefix}.{index}")
-    else:
-        yield prefix, tree
 
 
 def difference(a: Any, b: Any, scale: float | None = None) -> float:

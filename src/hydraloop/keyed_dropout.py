@@ -145,14 +145,14 @@ def has_plain_dropout(model: nn.Module) -> bool:
 
 def draws_keyed_masks(model: nn.Module) -> bool:
     """Whether the loop must say which rows a batch holds: the model has a KeyedDropout, or a module that calls
-    `keyed_dropout` itself and says so with a `keyed_dropout_key` (models/hf.py's attention)."""
+    `keyed_dropout` itself and says so with a `keyed_dropout_key` (models/hf_keyed_dropout.py's attention)."""
     return any(isinstance(module, KeyedDropout) or hasattr(module, "keyed_dropout_key") for module in model.modules())
 
 
 def keyed_dropout(x: Tensor, p: float, key_term: int) -> Tensor:
     """Dropout of `x` (rows first, or rows times tokens) in training: keyed by the loop's rows where it set them,
-    else plain F.dropout. `key_term` is `mix_int` of the layer's key (KeyedDropout's; models/hf.py's for attention
-    weights; the call's for functional dropout)."""
+    else plain F.dropout. `key_term` is `mix_int` of the layer's key (KeyedDropout's; models/hf_keyed_dropout.py's
+    for attention weights; the call's for functional dropout)."""
     keys = current_rows()
     if keys is None or not len(keys[0]):  # none set; or a micro-batch of no rows, which a model ran as a dummy row
         return _torch_dropout(x, p, training=True)

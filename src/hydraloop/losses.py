@@ -1,80 +1,23 @@
-"""The train loss between two logging steps, and what a NaN or infinite loss does to the run.
+"""What a NaN or infinite train loss (or weight) does to the run.
 
 The losses stay on the device until a logging step (or a validation or checkpoint between two) reads back their
-reduced sum. Only when that is not finite does the loop look at the single steps, to name the first bad one and the
-rank that saw it (`trainer.nonfinite_loss=stop`); nothing is validated or saved from a non-finite loss, nor from
-weights that are not finite. With `trainer.nonfinite_loss=skip`, every step asks all ranks whether its loss is
-finite before the optimizer steps.
+reduced sum (hydraloop.loop_state). Only when that is not finite does the loop look at the single steps, to name the
+first bad one and the rank that saw it (`trainer.nonfinite_loss=stop`); nothing is validated or saved from a
+non-finite loss, nor from weights that are not finite. With `trainer.nonfinite_loss=skip`, every step asks all ranks
+whether its loss is finite before the optimizer steps.
 """
 
 import logging
 import math
-import time
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from hydraloop.errors import TrainingDiverged
+from hydraloop.loop_state import Interval
 from hydraloop.parallel.single import SingleDevice
 
 log = logging.getLogger("hydraloop.trainer")
-
-
-class Interval:
-    """What the loop accumulates between two logging steps. A run resumed from a checkpoint written between two
-    logging steps carries on the interval the checkpoint was in (`resumed`): its first logged train/loss is then the
-    uninterrupted run's."""
-
-    def __init__(
-        self, device: torch.device, capacity: int, first_step: int, carried: tuple[float, int, int] = (0.0, 0, 0)
-    ) -> None:
-        """`first_step`: the global step (counted from 1) of this process's first step in the interval; `carried`:
-        the global loss sum, steps and skipped steps of the interval before a resume."""
-        # float64: a float32 sum of finite losses near its largest value would overflow into a false infinity.
-        self.losses = torch.empty(capacity, dtype=torch.float64, device=device)  # per step, to name a NaN's step
-        self.first_step = first_step
-        self.carried_sum, self.carried_steps, self.carried_skipped = carried
-        self.count = 0  # steps run here, since the interval began or the run resumed
-        self.skipped = self.carried_skipped
-        self.samples = 0  # global samples of those steps
-        self.data_wait_s = 0.0
-        self.start = time.perf_counter()
-
-    @classmethod
-    def resumed(cls, state: Any, device: torch.device, capacity: int) -> "Interval":
-        """The interval `state` (a TrainState) is in: the one a mid-interval checkpoint was written in, or a new one."""
-        carried = (state.interval_loss_sum, state.interval_steps, state.interval_skipped)
-        return cls(device, capacity, state.global_step + 1, carried)
-
-    def add(self, loss: Tensor | None, samples: int) -> None:
-        """None: a step whose update was skipped (trainer.nonfinite_loss=skip); a step, but not in the loss."""
-        self.losses[self.count] = 0.0 if loss is None else loss
-        self.skipped += loss is None
-        self.count += 1
-        self.samples += samples
-
-    @property
-    def loss_sum(self) -> Tensor:
-        """This rank's sum of the losses of the steps run here (not the carried ones)."""
-        return self.losses[: self.count].sum()
-
-    @property
-    def steps(self) -> int:
-        return self.carried_steps + self.count
-
-    @property
-    def loss_steps(self) -> int:
-        return self.steps - self.skipped
-
-    def carry(self, global_sum: float) -> tuple[float, int, int]:
-        """What a checkpoint keeps of this interval, given the global sum of `loss_sum`: (loss sum, steps, skipped)."""
-        return self.carried_sum + global_sum, self.steps, self.skipped
-
-    def first_nonfinite_step(self) -> int:
-        """The first step whose loss is NaN or infinite; 0 if none (a host sync: only on the failure path)."""
-        bad = (~torch.isfinite(self.losses[: self.count])).nonzero()
-        return self.first_step + int(bad[0]) if len(bad) else 0
 
 
 def check_finite(

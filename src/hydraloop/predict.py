@@ -23,13 +23,13 @@ from hydra.utils import instantiate
 from torch.utils.data import DataLoader, Dataset
 
 from hydraloop.batches import check_leaves, count_rows, map_tensors, to_device
-from hydraloop.data.loaders import ShardSampler
-from hydraloop.data.tensors import read_arrays
+from hydraloop.data.array_files import read_arrays
+from hydraloop.data.samplers import ShardSampler
 from hydraloop.errors import ConfigError
 from hydraloop.optim import part_modules
 from hydraloop.parallel.single import SingleDevice
 from hydraloop.precision import Precision
-from hydraloop.resume import load_weights
+from hydraloop.restore import load_weights
 from hydraloop.storage import write_atomic
 from hydraloop.tasks.base import Task
 

@@ -34,8 +34,8 @@ from torch import Tensor
 from hydraloop.errors import TrainingDiverged
 
 if TYPE_CHECKING:
+    from hydraloop.callbacks import TrainerView
     from hydraloop.parallel.single import SingleDevice
-    from hydraloop.trainer import Trainer
 
 CHUNK = 1 << 22  # words digested at once: the weights and the products of the largest tensor, 16 MiB each
 MASK = (1 << 64) - 1
@@ -61,12 +61,12 @@ class ReplicaCheck:
         self.enabled = every_n_steps != 0 and bool(self.groups)
         self.checked_at = -1  # the global step of the last check, which passed
 
-    def after_step(self, trainer: Trainer, step: int) -> None:
+    def after_step(self, trainer: TrainerView, step: int) -> None:
         """After each optimizer step: every N-th step with `every_n_steps=N`."""
         if self.enabled and self.every_n_steps and step % self.every_n_steps == 0:
             self(trainer, step)
 
-    def __call__(self, trainer: Trainer, step: int) -> None:
+    def __call__(self, trainer: TrainerView, step: int) -> None:
         """Every rank calls it at the same moment (before a validation or checkpoint, and at the end): one
         all-reduce and one host sync; on a difference, every rank raises ReplicasDiverged."""
         if not self.enabled or self.checked_at == step:
@@ -112,7 +112,7 @@ class ReplicaCheck:
         raise AssertionError("the replicas' digests differ, and none of their entries does")  # the same inputs
 
 
-def replicated_state(trainer: Trainer) -> Iterator[tuple[str, Any]]:
+def replicated_state(trainer: TrainerView) -> Iterator[tuple[str, Any]]:
     """(name, value) of everything the replicas must agree on, the same names in the same order on every rank:
     parameters, then each optimizer's hyperparameters and per-parameter state, then each callback's state."""
     model = trainer.strategy.unwrap(trainer.model)

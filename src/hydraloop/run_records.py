@@ -4,7 +4,7 @@ file, byte for byte, with its times. Nothing is written into it before the launc
 
 Hydra would write `.hydra/` (the composed config, its own config, the overrides) before `main` runs, and open the
 job log at the first line logged. Here Hydra writes no `.hydra/` (`hydra.output_subdir: null` in conf/train.yaml;
-the command line may not set it, hydraloop.command_line), and the job log's lines are held in memory: once every
+the command line may not set it, hydraloop.checks.command_line), and the job log's lines are held in memory: once every
 check has passed, `accept` writes `.hydra/` and the held lines; a refusal drops them (the console has shown them).
 
 The launcher checks all that the config and the environment can tell. What only the ranks meet before the first

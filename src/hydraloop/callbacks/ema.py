@@ -21,12 +21,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from hydraloop.callbacks import Callback
+from hydraloop.callbacks import Callback, TrainerView
 from hydraloop.errors import ConfigError, require
 
 if TYPE_CHECKING:
     from hydraloop.checkpoint import TrainState
-    from hydraloop.trainer import Trainer
 
 
 class EMA(Callback):
@@ -38,7 +37,7 @@ class EMA(Callback):
         self.decay, self.warmup, self.every_n_steps = float(decay), warmup, every_n_steps
         self.updates = 0
 
-    def setup(self, trainer: Trainer) -> None:
+    def setup(self, trainer: TrainerView) -> None:
         named = [(n, p) for n, p in trainer.strategy.unwrap(trainer.model).named_parameters() if p.requires_grad]
         self.names = [name for name, _ in named]
         self.params = [param for _, param in named]
@@ -53,14 +52,14 @@ class EMA(Callback):
         return min(self.decay, (1 + update) / (10 + update)) if self.warmup else self.decay
 
     @torch.no_grad()
-    def on_optimizer_step(self, trainer: Trainer, state: TrainState) -> None:
+    def on_optimizer_step(self, trainer: TrainerView, state: TrainState) -> None:
         if state.global_step % self.every_n_steps:
             return
         # One foreach kernel over all parameters: average += (1 - decay) * (weight - average).
         torch._foreach_lerp_(self.local_average, self.local_params, 1.0 - self.decay_at(self.updates))
         self.updates += 1
 
-    def on_validation(self, trainer: Trainer, state: TrainState, metrics: dict[str, float]) -> dict[str, float]:
+    def on_validation(self, trainer: TrainerView, state: TrainState, metrics: dict[str, float]) -> dict[str, float]:
         with self.weights_in_model(trainer):
             averaged = trainer.evaluate(trainer.val_loader)
         return {self._metric(name): value for name, value in averaged.items()}
@@ -72,7 +71,7 @@ class EMA(Callback):
         return f"val/{self.name}/{name.removeprefix('val/')}"
 
     @contextmanager
-    def weights_in_model(self, trainer: Trainer) -> Iterator[None]:
+    def weights_in_model(self, trainer: TrainerView) -> Iterator[None]:
         """The averages in the model's parameters, in place (so any wrapper sees them), and the weights back after.
         Each write follows the strategy's `reshard`: under FSDP a forward may have left gathered copies, which the
         next forward would read instead: the raw weights would be validated as the average, and the average, left
@@ -88,13 +87,13 @@ class EMA(Callback):
             with torch.no_grad():
                 torch._foreach_copy_(self.local_params, weights)
 
-    def state_dict(self, trainer: Trainer) -> dict[str, Any]:
+    def state_dict(self, trainer: TrainerView) -> dict[str, Any]:
         # Every rank takes part in gathering FSDP's shards; under single and DDP these are the averages themselves.
         full = [average.full_tensor() if isinstance(average, DTensor) else average for average in self.average]
         return {"updates": self.updates, "weights": dict(zip(self.names, full, strict=True))}
 
     @torch.no_grad()
-    def load_state_dict(self, trainer: Trainer, state: dict[str, Any]) -> None:
+    def load_state_dict(self, trainer: TrainerView, state: dict[str, Any]) -> None:
         saved = state["weights"]
         if sorted(saved) != sorted(self.names):  # a resume into another set of trainable parameters
             raise ConfigError(

@@ -11,12 +11,11 @@ from typing import TYPE_CHECKING
 
 from torch.optim import Optimizer
 
-from hydraloop.callbacks import Callback, global_grad_norm
+from hydraloop.callbacks import Callback, TrainerView, global_grad_norm
 from hydraloop.errors import require
 
 if TYPE_CHECKING:
     from hydraloop.checkpoint import TrainState
-    from hydraloop.trainer import Trainer
 
 
 class GradNorm(Callback):
@@ -27,7 +26,7 @@ class GradNorm(Callback):
         self.norm_type = float(norm_type)
 
     def on_before_optimizer_step(
-        self, trainer: Trainer, state: TrainState, optimizer_name: str, optimizer: Optimizer
+        self, trainer: TrainerView, state: TrainState, optimizer_name: str, optimizer: Optimizer
     ) -> None:
         step = state.global_step + 1  # the step this update makes, as train/loss counts it
         if step % trainer.log_every_n_steps:

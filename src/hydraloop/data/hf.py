@@ -17,10 +17,8 @@ keyword. Labels are integers in [0, num_classes), or names (sorted, numbered fro
 
 import functools
 import hashlib
-import importlib.util
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +28,7 @@ from torch.utils.data import Dataset
 
 from hydraloop.data.cache import cached_arrays, default_cache_dir
 from hydraloop.errors import ConfigError, first_line, require
+from hydraloop.huggingface import import_datasets, load_tokenizer
 from hydraloop.tasks.language_model import IGNORED
 
 FILE_BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
@@ -67,10 +66,6 @@ class TokenizedTexts(Dataset):
         else:
             labels = torch.stack([sample["labels"] for sample in samples])
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
-
-
-# What a folder save_pretrained wrote a tokenizer to holds: a fast tokenizer's file, or a slow one's vocabulary.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
 
 
 def load_hf_dataset(
@@ -126,18 +121,6 @@ def load_hf_dataset(
         require(len(arrays["offsets"]) > 1, f"data.dataset.path={path}: the {name} split has no samples")
         parts.append(TokenizedTexts(arrays["ids"], arrays["offsets"], labels, hf_tokenizer.pad_token_id))
     return parts[0], parts[1]
-
-
-def import_datasets() -> Any:
-    if importlib.util.find_spec("datasets") is None:
-        raise ConfigError("data=hf: needs datasets, which is not installed; pip install 'hydraloop[hf]'")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # a name not in the cache is an error, never a download
-    import datasets
-
-    datasets.config.HF_HUB_OFFLINE = True
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
-    return datasets
 
 
 def _read_splits(path: str, cache: Path) -> dict[str, Any]:
@@ -233,49 +216,6 @@ def _tokenized(
     dtype = np.uint16 if len(tokenizer) <= 2**16 else np.uint32
     flat = np.fromiter((token for row in ids for token in row), dtype=dtype, count=int(lengths.sum()))
     return {"ids": flat, "offsets": np.concatenate([[0], np.cumsum(lengths)]), "labels": np.array(tokenized["labels"])}
-
-
-@functools.lru_cache(maxsize=8)
-def load_tokenizer(spec: str, pad_token: str | None = None) -> Any:
-    """The transformers tokenizer in a folder or cache entry `spec`, or in a tokenizer.json; with `pad_token` as its
-    padding token. One without one is one line, saying how to set it."""
-    from hydraloop.models.hf import import_transformers, is_local_path
-
-    transformers = import_transformers()
-    require(
-        Path(spec).exists() or not is_local_path(spec),
-        f"data.dataset.tokenizer={spec}: no such folder or file (data=hf's default is model.name_or_path)",
-    )
-    # transformers builds an empty tokenizer for a model folder without tokenizer files, silently
-    require(
-        not Path(spec).is_dir() or any((Path(spec) / name).is_file() for name in TOKENIZER_FILES),
-        f"data.dataset.tokenizer={spec}: no tokenizer there (none of {', '.join(TOKENIZER_FILES)}); give a folder "
-        "that holds one (tokenizer.save_pretrained writes it), or a tokenizer.json",
-    )
-    try:
-        if spec.endswith(".json"):
-            require(Path(spec).is_file(), f"data.dataset.tokenizer={spec}: no such file")
-            tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=spec)
-        else:
-            tokenizer = transformers.AutoTokenizer.from_pretrained(spec, local_files_only=True)
-    except (OSError, ValueError) as error:
-        raise ConfigError(
-            f"data.dataset.tokenizer={spec}: no tokenizer there ({str(error).strip().splitlines()[0]}); give a folder "
-            "save_pretrained wrote, a name in the Hugging Face cache, or a tokenizer.json"
-        ) from None
-    if pad_token is not None:
-        token_id = tokenizer.convert_tokens_to_ids(pad_token)
-        require(
-            token_id is not None and (token_id != tokenizer.unk_token_id or pad_token == tokenizer.unk_token),
-            f"data.dataset.pad_token={pad_token}: not a token of {spec}'s vocabulary",
-        )
-        tokenizer.pad_token = pad_token
-    require(
-        tokenizer.pad_token_id is not None,
-        f"data.dataset.tokenizer={spec}: has no padding token; set one of its tokens as data.dataset.pad_token "
-        f"(e.g. its end-of-text token{' ' + repr(tokenizer.eos_token) if tokenizer.eos_token else ''})",
-    )
-    return tokenizer
 
 
 def tokenizer_size(spec: str | None, pad_token: str | None = None) -> int:

@@ -4,7 +4,7 @@ DIR holds `train/` and `val/`, each with one folder per class (the same classes 
 images, in any format PIL reads with one of torchvision's image extensions (.jpg, .png, ...). Each split is a
 torchvision ImageFolder. Transforms are config, `data.train_transforms` and `data.val_transforms`: lists of
 `_target_`s (torchvision.transforms.v2), applied in order; the last must make a float tensor shaped
-`data.input_shape`. The training set's random transforms are seeded per sample (loaders.SeededAugmentation); the
+`data.input_shape`. The training set's random transforms are seeded per sample (SeededAugmentation); the
 loaders run a list's closing ToDtype and Normalize once per batch (batch_transforms).
 
 `check_image_folder` runs in the launcher before any rank starts (`data.check`): the layout, and one image through
@@ -23,7 +23,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch.utils.data import Dataset
 
-from hydraloop.data.loaders import SeededAugmentation
+from hydraloop.data.seeded_augmentation import SeededAugmentation
 from hydraloop.errors import ConfigError, first_line
 
 SPLITS = ("train", "val")

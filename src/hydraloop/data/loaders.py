@@ -1,15 +1,14 @@
 """DataLoaders that give every rank its shard while keeping one global sample order.
 
-Training draws each epoch's permutation from the run's seed on every rank (also with one process) and deals each
-global batch's rows to the ranks in turn (GlobalBatchSampler): global batch k is the slice [k*B, (k+1)*B) of the
-permutation whatever the world size, so single-process training visits the same samples per step as DDP, the
-incomplete last batch included when drop_last is off. A training set wrapped in SeededAugmentation draws its random
-transforms per sample from (seed, epoch, index) alone, so the samples themselves are those of single-process
-training too, whatever the number of ranks and workers.
+Training batches follow GlobalBatchSampler's order (hydraloop.data.samplers), so single-process training visits the
+same samples per step as DDP, and a training set wrapped in SeededAugmentation (hydraloop.data.seeded_augmentation)
+draws its random transforms per sample from (seed, epoch, index) alone, so the samples themselves are those of
+single-process training too, whatever the number of ranks and workers. Here: what a DataLoader adds to them (an empty
+batch for a rank with no row of an incomplete last batch, batches indexed on the device, workers forked from a
+server and seeded), and the check that the data sets give an epoch a step.
 """
 
 import gc
-import math
 import os
 import random
 from collections.abc import Callable, Iterator
@@ -17,101 +16,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import (
-    BatchSampler,
-    DataLoader,
-    Dataset,
-    Sampler,
-    TensorDataset,
-    default_collate,
-    get_worker_info,
-)
+from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, TensorDataset, default_collate
 
 from hydraloop.batches import check_leaves, map_tensors, slice_rows, tensors, to_device
 from hydraloop.data.batch_transforms import split_elementwise_tail
+from hydraloop.data.samplers import GlobalBatchSampler, ShardSampler
+from hydraloop.data.seeded_augmentation import SeededAugmentation
 from hydraloop.errors import ConfigError, require
-
-
-class GlobalBatchSampler(Sampler[list]):
-    """This rank's part of every global batch of an epoch: one global sample order, whatever the world size.
-
-    An epoch is a permutation of the training set (seeded with `seed + epoch`, as DistributedSampler draws it), cut
-    into global batches of `global_batch_size` consecutive positions; rank r takes rows r, r + W, r + 2W, ... of each
-    (W ranks). Global batch k is then the slice [kB, (k+1)B) of the permutation under any world size, and row j of a
-    rank's batch is row r + W·j of the global one (what KeyedDropout keys on). With `drop_last` the incomplete last
-    batch is left out; without, it is kept whole and unpadded: a rank may then hold a row less than another, or none
-    (a batch of fewer rows than ranks), and the loop weights each rank's rows by the global batch's.
-
-    An epoch can begin at any sample (`set_epoch(epoch, start_sample)`): a mid-epoch checkpoint stores its position
-    in samples, so a run resumed under another batch size or world size continues at the sample it stopped at,
-    without loading what it skips. `limit_batches` ends every epoch after that many global batches of the current
-    size, `limit_samples` after that many samples (the last batch then holds the rest). With `keyed_by_epoch` it
-    yields (epoch, index) keys, which SeededAugmentation and data=tokens' random windows take.
-    """
-
-    def __init__(
-        self,
-        num_samples: int,
-        global_batch_size: int,
-        rank: int,
-        world_size: int,
-        *,
-        seed: int,
-        shuffle: bool = True,
-        drop_last: bool = True,
-        limit_batches: int | None = None,
-        limit_samples: int | None = None,
-        keyed_by_epoch: bool = False,
-    ) -> None:
-        self.num_samples, self.global_batch_size = num_samples, global_batch_size
-        self.rank, self.world_size = rank, world_size
-        self.seed, self.shuffle, self.drop_last, self.limit_batches = seed, shuffle, drop_last, limit_batches
-        self.usable = min(num_samples, limit_samples or num_samples)  # the samples an epoch may reach
-        self.keyed_by_epoch = keyed_by_epoch
-        self.set_epoch(0)
-
-    def set_epoch(self, epoch: int, start_sample: int = 0) -> None:
-        self.epoch, self.start_sample = epoch, start_sample
-        self.end = self._end(start_sample)
-        """One past the epoch's last position: where it ends."""
-
-    def _end(self, start_sample: int) -> int:
-        batch = self.global_batch_size
-        end = min(self.usable, batch * self.limit_batches) if self.limit_batches else self.usable
-        if self.drop_last:  # whole batches only, counted from where the epoch resumes
-            end = start_sample + max(0, end - start_sample) // batch * batch
-        return max(start_sample, end)
-
-    def batches_from(self, start_sample: int) -> int:
-        """Global batches in an epoch that starts (or resumes) at `start_sample`."""
-        return math.ceil((self._end(start_sample) - start_sample) / self.global_batch_size)
-
-    @property
-    def steps_per_epoch(self) -> int:
-        """Global batches in a whole epoch of the current size, from its first sample."""
-        usable = min(self.usable, self.global_batch_size * (self.limit_batches or self.num_samples))
-        full, rest = divmod(usable, self.global_batch_size)
-        return full + (0 if self.drop_last or not rest else 1)
-
-    def global_rows(self, position: int) -> int:
-        """The rows of the global batch that starts at `position` (B, or fewer for an incomplete last one)."""
-        return min(self.global_batch_size, self.end - position)
-
-    def __len__(self) -> int:
-        """Global batches left in the epoch (from `start_sample`): every rank takes part in each."""
-        return self.batches_from(self.start_sample)
-
-    def __iter__(self) -> Iterator[list]:
-        # An array, or a range: 8 bytes a sample, or none, where a list would hold a Python int (~36 bytes) each.
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.num_samples, generator=generator).numpy()  # the CPU tensor's memory
-        else:
-            order = range(self.num_samples)
-        for start in range(self.start_sample, self.end, self.global_batch_size):
-            rows = order[start : min(start + self.global_batch_size, self.end)][self.rank :: self.world_size]
-            indices = rows.tolist() if self.shuffle else list(rows)
-            yield [(self.epoch, index) for index in indices] if self.keyed_by_epoch else indices
 
 
 class _NonEmpty(Sampler[list]):
@@ -154,67 +65,6 @@ class TrainLoader:
             yield batch
         for _ in range(len(self) - count):
             yield slice_rows(self.first_batch() if batch is None else batch, 0, 0)
-
-
-class SeededAugmentation(Dataset):
-    """A training set whose random transforms (crops, flips) are a function of (seed, epoch, sample index) alone.
-
-    Before each sample, torch's generator is seeded with SeedSequence([seed, epoch]) + index, as StepSeeder does per
-    step (a well-mixed base; Mersenne Twister's seeding decorrelates neighbouring seeds). A sample then gets the same
-    crop in the same epoch whatever the world size, the number of DataLoader workers, and the step a run resumed
-    from. The base is computed once per epoch: a SeedSequence per sample would cost ~10 us, 3% of a small image.
-    Seeding itself (Mersenne Twister's 624-word state, refilled at the first draw) costs ~4 us a sample in a worker:
-    2% of decoding and cropping a 32x32 PNG (200 us), 1.2% for a 128x128 one; a photograph takes milliseconds.
-
-    The epoch travels with the index: the training sampler yields (epoch, index) keys, since worker processes
-    (persistent ones included) never see the sampler's set_epoch. The transforms must draw from torch's default
-    generator, as all of torchvision's do. A plain index (a hand-written loader) gets an unseeded sample.
-    """
-
-    keyed_by_epoch = True
-
-    def __init__(self, dataset: Dataset, seed: int) -> None:
-        self.dataset, self.seed = dataset, seed
-        self.epoch, self.epoch_base = -1, 0
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, key: tuple[int, int] | int) -> Any:
-        return self.__getitems__([key])[0]
-
-    def __getitems__(self, keys: list[tuple[int, int]] | list[int]) -> list[Any]:
-        """A batch's samples; the DataLoader fetches whole batches through this when a data set has it."""
-        # With num_workers=0 this runs in the training process, whose own stream is put back after the batch. (A
-        # worker's stream serves nothing else.)
-        saved = torch.get_rng_state() if get_worker_info() is None else None
-        try:
-            return [self._sample(key) for key in keys]
-        finally:
-            if saved is not None:
-                torch.set_rng_state(saved)
-
-    def _sample(self, key: tuple[int, int] | int) -> Any:
-        if isinstance(key, int):
-            return self.dataset[key]
-        epoch, index = key
-        if epoch != self.epoch:
-            self.epoch, self.epoch_base = epoch, int(np.random.SeedSequence([self.seed, epoch]).generate_state(1)[0])
-        torch.default_generator.manual_seed(self.epoch_base + index)  # torch.manual_seed would look for accelerators
-        return self.dataset[index]
-
-
-class ShardSampler(Sampler[int]):
-    """Every `world_size`-th index from `rank`, in order, without padding: each sample is evaluated exactly once."""
-
-    def __init__(self, dataset_size: int, rank: int, world_size: int) -> None:
-        self.indices = range(rank, dataset_size, world_size)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.indices)
-
-    def __len__(self) -> int:
-        return len(self.indices)
 
 
 class DeviceBatches:

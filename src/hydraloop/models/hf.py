@@ -7,21 +7,15 @@ with `model.config.*` overriding its config (`+model.config.n_layer=2`: a + adds
 transformers model itself, so checkpoints hold its own keys and the task calls it as Hugging Face documents (input
 ids, or a dict batch by keyword), reading `logits` from its output.
 
-Dropout. A transformers model draws its dropout masks with torch's generator (nn.Dropout, and functional dropout on
-the attention weights), so single-process training, ddp and accumulation would each compute different weights.
-`keyed_dropout=true` (the default) replaces every nn.Dropout with hydraloop's KeyedDropout and computes attention
-through `hydraloop_keyed`, an attention function whose dropout is keyed the same way (hydraloop.keyed_dropout):
-every strategy then trains the same weights. It computes attention with torch's scaled_dot_product_attention when no
-dropout applies (evaluation, or no attention dropout), and otherwise explicitly (softmax, then the keyed mask). A model
-that calls dropout as a function (OPT, BART, Whisper) has those calls keyed by their order in its forward pass
-(keyed_dropout.key_functional_dropout). `gradient_checkpointing=true` recomputes with the forward's keys.
+Dropout. `keyed_dropout=true` (the default) keys every dropout mask of the model by sample, as hydraloop's own
+models do, so that single-process training, ddp and accumulation train the same weights
+(hydraloop.models.hf_keyed_dropout). `gradient_checkpointing=true` recomputes with the forward's keys.
 
 In training the model keeps no cache of keys and values: nothing reads it there, and a block that an activation
 checkpoint recomputes (trainer.activation_checkpointing) would append its keys and values to it a second time.
 """
 
 import difflib
-import importlib.util
 import inspect
 import logging
 import sys
@@ -33,15 +27,10 @@ import torch
 from torch import Tensor, nn
 
 from hydraloop.errors import ConfigError, first_line, require
-from hydraloop.keyed_dropout import (
-    KeyedDropout,
-    key_functional_dropout,
-    keyed_dropout,
-    mix_int,
-    same_masks_in_recompute,
-)
+from hydraloop.huggingface import import_transformers, is_local_path, load_tokenizer
+from hydraloop.keyed_dropout import same_masks_in_recompute
+from hydraloop.models.hf_keyed_dropout import KEYED_ATTENTION, register_keyed_attention, use_keyed_dropout
 
-KEYED_ATTENTION = "hydraloop_keyed"
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # what from_pretrained reads (either may be sharded)
 log = logging.getLogger(__name__)
 
@@ -78,8 +67,6 @@ def hf_model(
         overrides.setdefault("num_labels", num_labels)
     texts = None
     if tokenizer is not None:
-        from hydraloop.data.hf import load_tokenizer
-
         texts = load_tokenizer(tokenizer, pad_token)
         overrides.setdefault("pad_token_id", texts.pad_token_id)
     if fresh and vocab_size is not None:
@@ -181,19 +168,6 @@ def take_batches_of_no_rows(model: nn.Module) -> None:
     model.register_forward_hook(after, with_kwargs=True, always_call=True)
 
 
-def import_transformers() -> Any:
-    """The transformers module, or one line naming the extra that installs it."""
-    if importlib.util.find_spec("transformers") is None:
-        raise ConfigError(
-            "model=hf: needs the transformers package, which is not installed; pip install 'hydraloop[hf]'"
-        )
-    import transformers
-
-    transformers.logging.set_verbosity_error()  # its notes on fresh heads: hf_model logs its own, in one line
-    transformers.logging.disable_progress_bar()  # bars for reading and writing weights, in every log
-    return transformers
-
-
 def _auto_class(transformers: Any, name: str) -> Any:
     names = [key for key in dir(transformers) if key.startswith("AutoModel")]
     if name not in names:
@@ -256,11 +230,6 @@ def _not_found(name_or_path: str) -> str:
     )
 
 
-def is_local_path(name: str) -> bool:
-    """A name that can only be a path, never a Hugging Face repo id (`gpt2`, `org/name`)."""
-    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name
-
-
 def _check_weights(name_or_path: str) -> None:
     """A local folder holds weights to load: a config alone would fail in every rank, after the run started."""
     folder = Path(name_or_path)
@@ -285,52 +254,6 @@ def _check_sizes(config: Any, vocab_size: int | None, lengths: dict[str, int | N
         vocab_size is None or own_vocab is None or vocab_size <= own_vocab,
         f"data.vocab_size={vocab_size}: larger than the model's vocabulary of {own_vocab} (vocab_size in its config)",
     )
-
-
-def use_keyed_dropout(model: nn.Module) -> None:
-    """Every nn.Dropout becomes a KeyedDropout of the same p, keyed by its place in the model; every module gets
-    the key its attention weights' dropout draws with (`keyed_attention`); calls of nn.functional.dropout are keyed
-    by their order in the forward pass."""
-    key_functional_dropout(model)
-    replaced = 0
-    for index, module in enumerate(list(model.modules())):
-        module.keyed_dropout_key = mix_int(1 << 40 | index)  # apart from the KeyedDropouts' keys below
-        for name, child in module.named_children():
-            if type(child) is nn.Dropout:
-                replaced += 1
-                setattr(module, name, KeyedDropout(child.p, key=replaced))
-
-
-def keyed_attention(
-    module: nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attention_mask: Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs: Any,
-) -> tuple[Tensor, None]:
-    """transformers' attention interface: (batch, heads, time, head_dim) in, (batch, time, heads, head_dim) out.
-    `attention_mask` is additive (the eager mask registered beside it), covering causality and padding."""
-    if key.shape[1] != query.shape[1]:  # grouped-query attention: each key/value head serves several query heads
-        repeats = query.shape[1] // key.shape[1]
-        key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
-    if attention_mask is not None:
-        attention_mask = attention_mask[:, :, :, : key.shape[-2]]
-    if dropout == 0.0 or not module.training:
-        causal = attention_mask is None and query.shape[2] > 1 and getattr(module, "is_causal", False)
-        output = nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, scale=scaling, is_causal=causal
-        )
-        return output.transpose(1, 2).contiguous(), None
-    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    weights = torch.matmul(query, key.transpose(-1, -2)) * scaling
-    if attention_mask is not None:
-        weights = weights + attention_mask
-    weights = nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(value.dtype)
-    weights = keyed_dropout(weights, dropout, module.keyed_dropout_key)
-    return torch.matmul(weights, value).transpose(1, 2).contiguous(), None
 
 
 def is_transformers_model(model: nn.Module) -> bool:
@@ -363,12 +286,3 @@ def generate(
         pad_token_id=config.pad_token_id if config.pad_token_id is not None else config.eos_token_id,
         **sampling,
     )
-
-
-def register_keyed_attention() -> None:
-    """`attn_implementation="hydraloop_keyed"`: keyed_attention, with transformers' eager (additive) masks."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask
-
-    AttentionInterface.register(KEYED_ATTENTION, keyed_attention)
-    AttentionMaskInterface.register(KEYED_ATTENTION, eager_mask)

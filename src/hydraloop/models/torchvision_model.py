@@ -34,7 +34,7 @@ def torchvision_model(arch: str, num_classes: int, weights: str | None = None, *
         return models.get_model(arch, num_classes=num_classes, **kwargs)
     name = str(weights)
     cached = _cached_weights(arch, name)
-    if torch.get_default_device().type == "meta":  # the launcher's check (checks.check_model): found is enough
+    if torch.get_default_device().type == "meta":  # the launcher's check (arguments.check_model): found is enough
         return models.get_model(arch, num_classes=num_classes, **kwargs)
     pretrained = models.get_model(arch, weights=cached, **kwargs)  # torchvision's own loading, from the cache
     if len(cached.meta["categories"]) == num_classes:

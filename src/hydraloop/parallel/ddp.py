@@ -1,27 +1,25 @@
+"""`parallel=ddp`: DistributedDataParallel, one process per device: the settings checked in the launcher, the process
+group each rank joins, the wrapper and the reductions. Starting the ranks without torchrun is
+hydraloop.parallel.spawned_ranks's."""
+
 import logging
 import os
 import socket
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.elastic.multiprocessing import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.nn.parallel import DistributedDataParallel
 
-from hydraloop.errors import ConfigError, Interrupted, StorageError, WorkerFailed, first_line
+from hydraloop.errors import ConfigError, WorkerFailed, first_line
 from hydraloop.parallel.single import SingleDevice, resolve_device
-from hydraloop.parallel.spawned_ranks import Stopped, passed_on_to_ranks, run_rank
-from hydraloop.preemption import STOP_SIGNALS
+from hydraloop.parallel.spawned_ranks import launch_ranks
 from hydraloop.sync_batchnorm import convert_sync_batchnorm
 
 T = TypeVar("T")
@@ -121,47 +119,7 @@ class DDPStrategy(SingleDevice):
     def launch(self, worker: Callable[..., T], *args) -> T:
         if self.launched_outside:
             return worker(*args)
-        config = LaunchConfig(
-            min_nodes=1,
-            max_nodes=1,
-            nproc_per_node=self.nproc_per_node,
-            run_id=str(uuid.uuid4()),
-            rdzv_backend="c10d",
-            rdzv_endpoint="localhost:0",  # port 0: the agent binds a free port and tells the workers
-            max_restarts=self.max_restarts,
-            monitor_interval=0.1,
-            start_method="spawn",
-            # What ends the ranks at once (Ctrl-C's SIGINT); the stop signals are passed on by passed_on_to_ranks.
-            signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
-            shutdown_timeout=int(self.shutdown_timeout_s),  # how long the ranks get to end on SIGINT before SIGKILL
-        )
-        # The agent reports each rank's failure with a full traceback; the worker has already logged it.
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-        with passed_on_to_ranks(self.shutdown_timeout_s) as passed_on:
-            try:
-                # {rank: result}; ranks agree, rank 0 speaks
-                result = elastic_launch(config, run_rank)(worker, *args)[0]
-            except SignalException as stop:
-                if passed_on.signum:  # the ranks had not ended parallel.shutdown_timeout_s after it: killed
-                    raise Interrupted(
-                        passed_on.signum,
-                        f"(passed on to the ranks, which had not stopped {self.shutdown_timeout_s:g} s later, "
-                        "parallel.shutdown_timeout_s, and were killed: see train.log for their last checkpoint)",
-                    ) from None
-                if stop.sigval in STOP_SIGNALS:  # no rank to pass it on to: none started yet (or all ended)
-                    raise Interrupted(stop.sigval, "while no rank was running, without a checkpoint") from None
-                raise Interrupted(stop.sigval, "(no checkpoint)") from None  # Ctrl-C's SIGINT
-            except ChildFailedError as failed:
-                rank, failure = _first_failure(failed)
-                message = failure.message.get("message") if isinstance(failure.message, dict) else failure.message
-                if str(message).startswith("ConfigError: "):  # bad input only a rank could see, e.g. in a data file
-                    raise ConfigError(str(message).removeprefix("ConfigError: ")) from None
-                if str(message).startswith("StorageError: "):  # rank 0's failed write: its own line and exit code
-                    raise StorageError(str(message).removeprefix("StorageError: ")) from None
-                raise WorkerFailed(f"rank {rank} failed (exit code {failure.exitcode}): {message}") from None
-        if isinstance(result, Stopped):
-            raise Interrupted(result.signum, result.where)
-        return result
+        return launch_ranks(self.nproc_per_node, self.max_restarts, self.shutdown_timeout_s, worker, *args)
 
     def check(self, cfg: Any) -> None:
         super().check(cfg)
@@ -295,25 +253,6 @@ def _check_one_gpu_per_rank(device: str, local_ranks: int) -> None:
         f"device={device}: names one GPU for the {local_ranks} ranks on this machine, which each need their own; use "
         "device=cuda (rank i takes GPU i), and CUDA_VISIBLE_DEVICES to choose which GPUs"
     )
-
-
-def _first_failure(failed: ChildFailedError) -> tuple[int, ProcessFailure]:
-    """The rank that failed first, whose error made the others' collectives fail (closed connections).
-
-    The agent reports the first dead process it finds, but the others follow within milliseconds, and when several
-    are gone by its next look it names the lowest rank. Every rank that raised wrote an error file beside the
-    reported one (`attempt_N/<local rank>/error.json`; on one node local rank is rank): the earliest names the
-    rank that failed first. A rank killed by a signal writes none, and its report stands.
-    """
-    rank, failure = failed.get_first_failure()
-    if not os.path.isfile(failure.error_file):
-        return rank, failure
-    written = {path.parent.name: path for path in Path(failure.error_file).parent.parent.glob("*/error.json")}
-    first = min(written, key=lambda name: written[name].stat().st_mtime_ns)
-    if not first.isdigit() or int(first) == rank:
-        return rank, failure
-    # A rank that raised exits with 1 (torch's worker wrapper); its pid is not needed here.
-    return int(first), ProcessFailure(local_rank=int(first), pid=0, exitcode=1, error_file=str(written[first]))
 
 
 def _attempt_store(timeout: timedelta) -> dist.Store | None:

@@ -1,7 +1,6 @@
 """`parallel=fsdp`: fully sharded data parallel (FSDP2). DDP's launch and process group, a different wrapper, a model
 that no device holds whole (built on the meta device, each rank allocating its own shards), and checkpoints in which
-each rank writes and reads its own shards (hydraloop.sharded_checkpoint; or, `checkpoint=full`, one file that rank 0
-gathers). Every strategy resumes from either kind."""
+each rank writes and reads its own shards, or one file that rank 0 gathers (hydraloop.parallel.fsdp_state)."""
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -13,27 +12,25 @@ import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.optim import Optimizer
 
 from hydraloop.batches import slice_rows
-from hydraloop.checkpoint import by_name
 from hydraloop.errors import ConfigError
 from hydraloop.parallel.ddp import DDPStrategy
+from hydraloop.parallel.fsdp_state import (
+    FROM_RANK_0,
+    gathered_state_dicts,
+    load_model_state,
+    load_optimizer_state,
+    write_own_shards,
+)
 from hydraloop.parallel.shard_draws import whole_tensor_draws
-from hydraloop.sharded_checkpoint import Shards, WrittenShards, keyed_by_position, rekeyed, write_shards
+from hydraloop.sharded_checkpoint import Shards, WrittenShards
 
 DTYPES = {None: None, "float32": torch.float32, "bfloat16": torch.bfloat16}
-# Rank 0 holds the full state; each rank receives only its shards of it.
-FROM_RANK_0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
 
 class FSDPStrategy(DDPStrategy):
@@ -235,31 +232,13 @@ class FSDPStrategy(DDPStrategy):
     def state_dicts(
         self, model: nn.Module, optimizers: dict[str, Optimizer], staging: Path | None = None
     ) -> Callable[[], tuple[Any, dict[str, dict]]]:
-        if self.sharded_checkpoints:
-            return self._write_shards(model, optimizers, staging)
-        # Gathering the full tensors is a collective that every rank joins, now; only rank 0 receives them, on
-        # the CPU. An optimizer's state comes keyed by parameter name; a checkpoint keys it like a plain
-        # optimizer, by position, so that any strategy resumes from it.
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_state = get_model_state_dict(model, options=options)
-        states = {name: get_optimizer_state_dict(model, o, options=options) for name, o in optimizers.items()}
-        return lambda: (model_state, {name: keyed_by_position(state) for name, state in states.items()})
-
-    def _write_shards(
-        self, model: nn.Module, optimizers: dict[str, Optimizer], staging: Path
-    ) -> Callable[[], tuple[WrittenShards, dict[str, dict]]]:
-        """Each rank writes its own shards of the model and of the optimizers' state into `staging`, now or in the
-        background (`async_checkpoint`: the next checkpoint, a stop and the end of the run wait for it). The writer
-        (rank 0) gets the rest: each optimizer's param_groups, keyed by parameter name, and where the shards are."""
+        if not self.sharded_checkpoints:
+            return gathered_state_dicts(model, optimizers)
+        # Each rank writes its own shards, now or in the background (`async_checkpoint`: the next checkpoint, a stop
+        # and the end of the run wait for it). The writer (rank 0) gets the rest, and where the shards are.
         self.wait_for_checkpoint()
-        # The model's first: its state_dict hook reshards parameters a forward left gathered (validation's, with
-        # reshard_after_forward=false), which the optimizer's, keyed by the sharded parameters, needs.
-        model_state = get_model_state_dict(model)
-        states = {name: get_optimizer_state_dict(model, optimizer) for name, optimizer in optimizers.items()}
-        tensors = {"model": model_state, "optimizer": by_name({name: state["state"] for name, state in states.items()})}
-        future = write_shards(tensors, staging, self.checkpoint_group, background=self.async_checkpoint)
-        self.in_flight = written = WrittenShards(staging, future)
-        groups = {name: {"param_groups": state["param_groups"]} for name, state in states.items()}
+        written, groups = write_own_shards(model, optimizers, staging, self.checkpoint_group, self.async_checkpoint)
+        self.in_flight = written
         return lambda: (written, groups)
 
     def wait_for_checkpoint(self) -> None:
@@ -268,26 +247,10 @@ class FSDPStrategy(DDPStrategy):
             in_flight.wait("; the checkpoints saved before are intact")
 
     def load_model_state(self, model: nn.Module, state: dict[str, Any] | Shards) -> None:
-        if isinstance(state, Shards):  # each rank reads its own shards, however many ranks wrote them
-            set_model_state_dict(model, state.load_into(get_model_state_dict(model)))
-            return
-        # Rank 0 reads the full state (every rank opened the file, memory-mapped: what a rank never reads costs it
-        # no memory) and sends each rank its shards, one tensor at a time.
-        set_model_state_dict(model, self._from_rank_0(state), options=FROM_RANK_0)
+        load_model_state(model, state, self.rank)
 
     def load_optimizer_state(self, model: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:
-        if isinstance(state["state"], Shards):  # keyed by parameter name, as FSDP's loader wants
-            template = get_optimizer_state_dict(model, optimizer)  # this rank's shards of every moment
-            loaded = {"state": state["state"].load_into(template["state"]), "param_groups": state["param_groups"]}
-            set_optimizer_state_dict(model, optimizer, loaded)
-            return
-        # The checkpoint keys parameters by position in the optimizer's groups; FSDP's loader wants their names.
-        name_of = {param: name for name, param in model.named_parameters()}
-        names = [name_of[param] for group in optimizer.param_groups for param in group["params"]]
-        set_optimizer_state_dict(model, optimizer, self._from_rank_0(rekeyed(state, names)), options=FROM_RANK_0)
-
-    def _from_rank_0(self, state: dict[str, Any]) -> dict[str, Any]:
-        return state if self.rank == 0 else {}
+        load_optimizer_state(model, optimizer, state, self.rank)
 
 
 def _values(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

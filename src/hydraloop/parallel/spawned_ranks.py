@@ -1,25 +1,96 @@
-"""What the launcher of spawned ranks (hydraloop.parallel.ddp, without torchrun) adds around them for stop signals:
-it passes a signal on to the ranks and waits for what they decide (hydraloop.preemption), and a rank that stopped
-returns that as its result, not as a failure."""
+"""How parallel=ddp and fsdp start their own ranks, without torchrun: torch.distributed.elastic (`launch_ranks`), the
+first failed rank's error reported as the job's, and stop signals passed on to the ranks, which decide together what
+they mean (hydraloop.preemption); a rank that stopped returns that as its result, not as a failure."""
 
 import logging
 import multiprocessing
 import os
 import signal
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 from typing import TypeVar
 
 from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from hydraloop.errors import Interrupted
+from hydraloop.errors import ConfigError, Interrupted, StorageError, WorkerFailed
 from hydraloop.preemption import STOP_SIGNALS, StopRequest, stop_at_once
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+
+
+def launch_ranks(
+    nproc_per_node: int, max_restarts: int, shutdown_timeout_s: float, worker: Callable[..., T], *args
+) -> T:
+    """`worker(*args)` in `nproc_per_node` ranks that torch.distributed.elastic starts (hydraloop.parallel.ddp's
+    DDPStrategy says how), and rank 0's result; a rank's failure and a stop signal end as hydraloop's errors."""
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc_per_node,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",  # port 0: the agent binds a free port and tells the workers
+        max_restarts=max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+        # What ends the ranks at once (Ctrl-C's SIGINT); the stop signals are passed on by passed_on_to_ranks.
+        signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
+        shutdown_timeout=int(shutdown_timeout_s),  # how long the ranks get to end on SIGINT before SIGKILL
+    )
+    # The agent reports each rank's failure with a full traceback; the worker has already logged it.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    with passed_on_to_ranks(shutdown_timeout_s) as passed_on:
+        try:
+            # {rank: result}; ranks agree, rank 0 speaks
+            result = elastic_launch(config, run_rank)(worker, *args)[0]
+        except SignalException as stop:
+            if passed_on.signum:  # the ranks had not ended parallel.shutdown_timeout_s after it: killed
+                raise Interrupted(
+                    passed_on.signum,
+                    f"(passed on to the ranks, which had not stopped {shutdown_timeout_s:g} s later, "
+                    "parallel.shutdown_timeout_s, and were killed: see train.log for their last checkpoint)",
+                ) from None
+            if stop.sigval in STOP_SIGNALS:  # no rank to pass it on to: none started yet (or all ended)
+                raise Interrupted(stop.sigval, "while no rank was running, without a checkpoint") from None
+            raise Interrupted(stop.sigval, "(no checkpoint)") from None  # Ctrl-C's SIGINT
+        except ChildFailedError as failed:
+            rank, failure = _first_failure(failed)
+            message = failure.message.get("message") if isinstance(failure.message, dict) else failure.message
+            if str(message).startswith("ConfigError: "):  # bad input only a rank could see, e.g. in a data file
+                raise ConfigError(str(message).removeprefix("ConfigError: ")) from None
+            if str(message).startswith("StorageError: "):  # rank 0's failed write: its own line and exit code
+                raise StorageError(str(message).removeprefix("StorageError: ")) from None
+            raise WorkerFailed(f"rank {rank} failed (exit code {failure.exitcode}): {message}") from None
+    if isinstance(result, Stopped):
+        raise Interrupted(result.signum, result.where)
+    return result
+
+
+def _first_failure(failed: ChildFailedError) -> tuple[int, ProcessFailure]:
+    """The rank that failed first, whose error made the others' collectives fail (closed connections).
+
+    The agent reports the first dead process it finds, but the others follow within milliseconds, and when several
+    are gone by its next look it names the lowest rank. Every rank that raised wrote an error file beside the
+    reported one (`attempt_N/<local rank>/error.json`; on one node local rank is rank): the earliest names the
+    rank that failed first. A rank killed by a signal writes none, and its report stands.
+    """
+    rank, failure = failed.get_first_failure()
+    if not os.path.isfile(failure.error_file):
+        return rank, failure
+    written = {path.parent.name: path for path in Path(failure.error_file).parent.parent.glob("*/error.json")}
+    first = min(written, key=lambda name: written[name].stat().st_mtime_ns)
+    if not first.isdigit() or int(first) == rank:
+        return rank, failure
+    # A rank that raised exits with 1 (torch's worker wrapper); its pid is not needed here.
+    return int(first), ProcessFailure(local_rank=int(first), pid=0, exitcode=1, error_file=str(written[first]))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,75 @@
+"""Keyed dropout in a transformers model: the same masks under single-process training, ddp and accumulation.
+
+A transformers model draws its dropout masks with torch's generator (nn.Dropout, and functional dropout on the
+attention weights), so single-process training, ddp and accumulation would each compute different weights.
+model=hf's `keyed_dropout=true` (the default) replaces every nn.Dropout with hydraloop's KeyedDropout and computes
+attention through `hydraloop_keyed`, an attention function whose dropout is keyed the same way
+(hydraloop.keyed_dropout): every strategy then trains the same weights. It computes attention with torch's
+scaled_dot_product_attention when no dropout applies (evaluation, or no attention dropout), and otherwise explicitly
+(softmax, then the keyed mask). A model that calls dropout as a function (OPT, BART, Whisper) has those calls keyed by
+their order in its forward pass (keyed_dropout.key_functional_dropout).
+"""
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from hydraloop.keyed_dropout import KeyedDropout, key_functional_dropout, keyed_dropout, mix_int
+
+KEYED_ATTENTION = "hydraloop_keyed"
+
+
+def use_keyed_dropout(model: nn.Module) -> None:
+    """Every nn.Dropout becomes a KeyedDropout of the same p, keyed by its place in the model; every module gets
+    the key its attention weights' dropout draws with (`keyed_attention`); calls of nn.functional.dropout are keyed
+    by their order in the forward pass."""
+    key_functional_dropout(model)
+    replaced = 0
+    for index, module in enumerate(list(model.modules())):
+        module.keyed_dropout_key = mix_int(1 << 40 | index)  # apart from the KeyedDropouts' keys below
+        for name, child in module.named_children():
+            if type(child) is nn.Dropout:
+                replaced += 1
+                setattr(module, name, KeyedDropout(child.p, key=replaced))
+
+
+def keyed_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers' attention interface: (batch, heads, time, head_dim) in, (batch, time, heads, head_dim) out.
+    `attention_mask` is additive (the eager mask registered beside it), covering causality and padding."""
+    if key.shape[1] != query.shape[1]:  # grouped-query attention: each key/value head serves several query heads
+        repeats = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
+    if attention_mask is not None:
+        attention_mask = attention_mask[:, :, :, : key.shape[-2]]
+    if dropout == 0.0 or not module.training:
+        causal = attention_mask is None and query.shape[2] > 1 and getattr(module, "is_causal", False)
+        output = nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, scale=scaling, is_causal=causal
+        )
+        return output.transpose(1, 2).contiguous(), None
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    weights = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(value.dtype)
+    weights = keyed_dropout(weights, dropout, module.keyed_dropout_key)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), None
+
+
+def register_keyed_attention() -> None:
+    """`attn_implementation="hydraloop_keyed"`: keyed_attention, with transformers' eager (additive) masks."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(KEYED_ATTENTION, keyed_attention)
+    AttentionMaskInterface.register(KEYED_ATTENTION, eager_mask)
