@@ -81,10 +81,44 @@ def image_folder(data_cache, train_env) -> Path:
 
 
 @pytest.fixture(scope="session")
-def run_train(train_env, tmp_path_factory):
-    """run_train(*overrides, run_dir=None, timeout=180) -> Run, for `python src/train.py OVERRIDES`.
+def forked_train(train_env):
+    """forked_train(args, cwd, timeout) -> (returncode, output): `python src/train.py ARGS` forked from
+    tests/fork_server.py (torch imported once per test session, not once per command); raises
+    subprocess.TimeoutExpired as subprocess.run does."""
+    server = subprocess.Popen(
+        [sys.executable, str(REPO / "tests" / "fork_server.py")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=train_env,
+        text=True,
+    )
 
-    `wrapper`: a command the training command is passed to (e.g. `unshare ...`); `preexec_fn`: as subprocess's.
+    def run(args: list[str], cwd: Path, timeout: float | None) -> tuple[int, str]:
+        output = Path(tempfile.mkstemp(prefix="train-", suffix=".txt")[1])
+        request = {"args": args, "cwd": str(cwd), "output": str(output), "timeout": timeout}
+        server.stdin.write(json.dumps(request) + "\n")
+        server.stdin.flush()
+        reply = server.stdout.readline()
+        assert reply, "tests/fork_server.py ended"
+        text = output.read_text()
+        output.unlink()
+        reply = json.loads(reply)
+        if reply.get("timeout"):
+            raise subprocess.TimeoutExpired([str(TRAIN), *args], timeout, output=text)
+        return reply["returncode"], text
+
+    yield run
+    server.stdin.close()
+    server.wait(timeout=60)
+
+
+@pytest.fixture(scope="session")
+def run_train(train_env, tmp_path_factory, forked_train):
+    """run_train(*overrides, run_dir=None, timeout=180) -> Run, for `python src/train.py OVERRIDES` (forked as
+    conftest's forked_train runs it).
+
+    `wrapper`: a command the training command is passed to (e.g. `unshare ...`); `preexec_fn`: as subprocess's; either
+    runs it as a plain subprocess.
     """
 
     def run(
@@ -98,9 +132,12 @@ def run_train(train_env, tmp_path_factory):
         run_dir = run_dir or tmp_path_factory.mktemp("run")
         flags = [arg for arg in overrides if arg.startswith("-")]  # Hydra's argparse wants -m before overrides
         overrides = [arg for arg in overrides if not arg.startswith("-")]
-        cmd = [*wrapper, sys.executable, str(TRAIN), *flags, f"hydra.run.dir={run_dir}", *overrides]
+        args = [*flags, f"hydra.run.dir={run_dir}", *overrides]
+        if not wrapper and preexec_fn is None:
+            returncode, output = forked_train(args, cwd or REPO, timeout)
+            return Run(returncode, output, Path(run_dir))
         proc = subprocess.run(
-            cmd,
+            [*wrapper, sys.executable, str(TRAIN), *args],
             cwd=cwd or REPO,
             env=train_env,
             capture_output=True,
@@ -114,34 +151,10 @@ def run_train(train_env, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def run_refused(train_env, tmp_path_factory):
-    """run_refused(*overrides, run_dir=None) -> Run: `python src/train.py OVERRIDES` as run_train runs it, for a
-    command expected to be refused before any rank starts, forked from tests/fork_server.py (torch imported once)."""
-    server = subprocess.Popen(
-        [sys.executable, str(REPO / "tests" / "fork_server.py")],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        env=train_env,
-        text=True,
-    )
-
-    def run(*overrides: str, run_dir: Path | None = None) -> Run:
-        run_dir = run_dir or tmp_path_factory.mktemp("run")
-        flags = [arg for arg in overrides if arg.startswith("-")]
-        overrides = [arg for arg in overrides if not arg.startswith("-")]
-        output = Path(tempfile.mkstemp(prefix="refused-", suffix=".txt")[1])
-        request = {"args": [*flags, f"hydra.run.dir={run_dir}", *overrides], "cwd": str(REPO), "output": str(output)}
-        server.stdin.write(json.dumps(request) + "\n")
-        server.stdin.flush()
-        reply = server.stdout.readline()
-        assert reply, "tests/fork_server.py ended"
-        text = output.read_text()
-        output.unlink()
-        return Run(json.loads(reply)["returncode"], text, Path(run_dir))
-
-    yield run
-    server.stdin.close()
-    server.wait(timeout=60)
+def run_refused(run_train):
+    """run_refused(*overrides, run_dir=None) -> Run: run_train, named for a command expected to be refused before any
+    rank starts."""
+    return run_train
 
 
 def torchrun_command(

@@ -1,11 +1,13 @@
 """A process that has imported what src/train.py imports first (torch, torch._dynamo, Hydra: about half of a refused
 command's 3 s) and forks a child for each command it is sent, which runs src/train.py as `python src/train.py ARGS`
-would: its own process, its own arguments, working directory, output and exit code, atexit handlers run. The bad-input
-tests send their rows here (conftest's `run_refused`), since most of each row's time went to importing torch.
+would: its own process, its own arguments, working directory, output and exit code, atexit handlers run; ranks it
+starts are spawned afresh, as from the command line. conftest's `run_train` and `run_refused` send their commands here,
+since importing torch was most of a refused command's time and a third to a half of a short run's.
 
-Protocol, one JSON line per command on stdin: {"args": [...], "cwd": ..., "output": path}; the reply, one line on
-stdout: {"returncode": N}. Its environment is the command's (conftest's train_env): a row needing another one runs
-as a plain subprocess.
+Protocol, one JSON line per command on stdin: {"args": [...], "cwd": ..., "output": path, "timeout": seconds or null};
+the reply, one line on stdout: {"returncode": N}, or {"timeout": true} for a command killed (as subprocess.run kills
+it) when it ran past its timeout. Its environment is the commands' (conftest's train_env): a command needing another
+one, a wrapper or a preexec_fn runs as a plain subprocess.
 """
 
 import gc
@@ -16,6 +18,8 @@ import atexit
 import json
 import os
 import runpy
+import select
+import signal
 import sys
 import traceback
 
@@ -61,10 +65,26 @@ def main() -> None:
         request = json.loads(line)
         pid = os.fork()
         if pid == 0:
-            sys.stdin.close()
+            # The request pipe must not stay the child's stdin, and fd 0 must not be left free: the next file the
+            # child opens would take it, and a process it starts (DataLoader's forkserver) would read it as stdin.
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.close(null)
             run_child(request["args"], request["cwd"], request["output"])
+        print(json.dumps(wait_for_child(pid, request.get("timeout"))), flush=True)
+
+
+def wait_for_child(pid: int, timeout: float | None) -> dict:
+    """The child's exit code, or (killing it, as subprocess.run does) a timeout."""
+    child = os.pidfd_open(pid)
+    try:
+        ended, _, _ = select.select([child], [], [], timeout)
+        if not ended:
+            os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
-        print(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}), flush=True)
+    finally:
+        os.close(child)
+    return {"returncode": os.waitstatus_to_exitcode(status)} if ended else {"timeout": True}
 
 
 if __name__ == "__main__":

@@ -45,7 +45,9 @@ def tiny_single(run_train):
 
 @pytest.mark.slow
 def test_a_small_gpt_learns_well_below_the_unigram_entropy(run_train):
-    run = run_train("experiment=text_gpt", "trainer.max_steps=200", "trainer.val_every_n_steps=100", "logger=csv")
+    run = run_train(
+        "experiment=text_gpt", "trainer.max_steps=200", "trainer.val_every_n_steps=100", "logger=csv", timeout=400
+    )
     assert run.returncode == 0, run.output
     corpus = encode(read_text(None, "char"), run.checkpoint()["config"]["data"]["vocab"])
     val_tokens = corpus[int(len(corpus) * 0.9) :]
