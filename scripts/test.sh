@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Sets up (scripts/setup.sh) and runs the whole test suite. Extra arguments go to pytest.
+# Sets up (scripts/setup.sh) and runs the whole test suite on two pytest-xdist workers: most tests wait on process
+# start-up and rendezvous, so two workers keep two cores busy. Extra arguments go to pytest (`-n 0`: one process).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 set +e
-.venv/bin/python -m pytest "$@"
+.venv/bin/python -m pytest -n 2 --dist worksteal "$@"
 status=$?
 set -e
 if [ "$status" -eq 5 ]; then
