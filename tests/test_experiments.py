@@ -100,11 +100,12 @@ def recorded_figure(name: str) -> tuple[str, float]:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [name for name in RUNNABLE if name not in MEASURED_ONLY])
 def test_recipe_reaches_its_recorded_figure(run_train, image_folder, name):
-    """The whole recipe, as documented. CPU round-off differs with the thread count: allow 0.02 (3% of a loss)."""
+    """The whole recipe, as documented. CPU round-off differs with the thread count: allow 0.02 (3% of a loss).
+    images_resnet ran past 5 minutes on 2 cores beside a second pytest-xdist worker (2026-12-05)."""
     metric, expected = recorded_figure(name)
     cfg = compose_train(f"experiment={name}")
     assert metric == cfg.optimized_metric
-    run = run_train(f"experiment={name}", "logger=none", "trainer.save_checkpoints=false", timeout=300)
+    run = run_train(f"experiment={name}", "logger=none", "trainer.save_checkpoints=false", timeout=600)
     assert run.returncode == 0, run.output
     if cfg.optimized_metric_mode == "max":
         assert run.metrics[metric] >= expected - 0.02, (run.metrics, expected)
