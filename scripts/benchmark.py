@@ -24,6 +24,11 @@
     resume; and the stall of a checkpoint written synchronously and in the background.
 (g) nanoGPT's own CPU benchmark, the losses after 2000 steps over several seeds, is scripts/benchmark_nanogpt.py,
     run alone: it needs tiny Shakespeare and a nanoGPT checkout (neither shipped) and about 4 minutes a seed.
+(h) Against transformers' Trainer (scripts/benchmark_hf_trainer.py, which also runs alone; the `hf` extra and
+    accelerate, in `bench`; skipped with a note without them): a BERT classifier fine-tune and a GPT-2 language model
+    (2 layers of 64, dropout 0.1) on a 4000-row csv of the plays' lines, same model, data, batch, optimizer and
+    schedule; hydraloop's loop against `Trainer.train()`, both as shipped (hydraloop's keyed dropout on) and at equal
+    work (torch's dropout, the same AdamW kernel): samples/s of the training loop and a 3-epoch command's time.
 
 Prints a table and writes the figures as JSON. Medians throughout; (a)'s ratio is the median over processes of
 each process's median ratio of back-to-back pairs, the others are ratios of medians measured in this run.
@@ -45,6 +50,12 @@ sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from benchmark_commands import NO_REPLICA_CHECK, ddp_scaling, startup  # noqa: E402
+from benchmark_hf_trainer import EPOCHS as HF_EPOCHS  # noqa: E402
+from benchmark_hf_trainer import ROWS as HF_ROWS  # noqa: E402
+from benchmark_hf_trainer import WORKLOADS as HF_WORKLOADS  # noqa: E402
+from benchmark_hf_trainer import measure as measure_hf_trainer  # noqa: E402
+from benchmark_hf_trainer import missing_note as hf_trainer_missing  # noqa: E402
+from benchmark_hf_trainer import print_report as print_hf_trainer  # noqa: E402
 from benchmark_lightning import available as lightning_available  # noqa: E402
 from benchmark_lightning import command_line_runs, lightning_throughput  # noqa: E402
 from benchmark_loops import LARGER_FILES, TOKEN_DIR, WORKLOADS  # noqa: E402
@@ -75,7 +86,10 @@ def main() -> None:
     parser.add_argument("--precision", default="32", choices=["32", "bf16", "fp16"])
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "benchmark.json")
     parser.add_argument(
-        "--skip", nargs="*", default=[], choices=["loop", "startup", "ddp", "images", "lightning", "memory"]
+        "--skip",
+        nargs="*",
+        default=[],
+        choices=["loop", "startup", "ddp", "images", "lightning", "memory", "hf_trainer"],
     )
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS), help="(a)'s")
     parser.add_argument("--ddp-procs", nargs="+", type=int, default=[1, 2], help="(c): parallel=ddp with these many")
@@ -195,6 +209,19 @@ def main() -> None:
         memory_args = argparse.Namespace(sizes=MEMORY_SIZES, ranks=2, strategies=list(STRATEGIES), repeats=args.repeats)
         report["memory"] = measure_memory(memory_args)
         print_memory(report["memory"])
+    if "hf_trainer" not in args.skip and hf_trainer_missing():
+        print(f"\n(h) transformers' Trainer: skipped, {hf_trainer_missing()}")
+    elif "hf_trainer" not in args.skip:
+        hf_args = argparse.Namespace(
+            repeats=args.repeats,
+            epochs=HF_EPOCHS,
+            workloads=list(HF_WORKLOADS),
+            rows=HF_ROWS,
+            device=args.device,
+            precision=args.precision,
+        )
+        report["hf_trainer"] = measure_hf_trainer(hf_args, device)
+        print_hf_trainer(report["hf_trainer"], args.repeats)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwritten: {args.out}")

@@ -78,7 +78,8 @@ def loop_throughput_in_processes(args) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.loop_processes):
             out = Path(tmp) / f"loop_{i}.json"
-            others = ["startup", "ddp", "images", "lightning", "memory"]  # only (a)'s figures are read back
+            # Only (a)'s figures are read back.
+            others = ["startup", "ddp", "images", "lightning", "memory", "hf_trainer"]
             one_process = ["--loop-processes", "1", "--skip", *others, "--out", str(out)]
             one_process += ["--workloads", *args.workloads]
             options = ["--repeats", str(args.repeats), "--device", args.device, "--precision", args.precision]

@@ -213,9 +213,9 @@ def main() -> None:
     report["benchmark"] = {"torchvision": vision}
     # Memory is a step of its own (5), within its own time.
     for precision, skip in (
-        # Lightning's section is the benchmark's peer, not a GPU figure: never part of the check's budget.
-        ("32", ["memory", "lightning"] + ([] if vision else ["images"])),
-        ("bf16", ["startup", "ddp", "images", "memory", "lightning"]),
+        # The peers' sections (Lightning's, transformers' Trainer's) are not GPU figures: never in the check's budget.
+        ("32", ["memory", "lightning", "hf_trainer"] + ([] if vision else ["images"])),
+        ("bf16", ["startup", "ddp", "images", "memory", "lightning", "hf_trainer"]),
     ):
         json_file = out / f"benchmark_{precision}.json"
         command = [sys.executable, "scripts/benchmark.py", "--device", args.device, "--precision", precision, *quick]

@@ -21,6 +21,7 @@ def test_benchmark_reports_loop_and_startup_figures(tmp_path, train_env):
                 "--skip",
                 "ddp",
                 "memory",  # test_memory_benchmark_reports_each_ranks_peak_through_a_save_and_a_resume
+                "hf_trainer",  # whole 3-epoch commands of two HF models, run by hand (docs/benchmarks.md)
                 "--out",
                 str(out),
                 "--workloads",
