@@ -237,10 +237,11 @@ def prepare(source: Path, out: Path, args) -> str:
 
 
 def prepare_default(out: Path) -> str:
-    """The bundled plays at char level into `out` (benchmark.py's token files), unless they are there already."""
+    """The bundled plays at char level into `out` (benchmark.py's token files), unless they are there already. The
+    folder is the benchmark's own: one made by another clone (whose plays' path differs) is made again."""
     from hydraloop.data.text import corpus_path
 
-    args = argparse.Namespace(tokenizer="char", vocab_size=None, special_tokens=[], val_fraction=0.1, overwrite=False)
+    args = argparse.Namespace(tokenizer="char", vocab_size=None, special_tokens=[], val_fraction=0.1, overwrite=True)
     return prepare(corpus_path(None), out, args)
 
 

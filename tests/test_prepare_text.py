@@ -48,6 +48,21 @@ def test_preparing_again_leaves_the_folder_and_another_corpus_is_refused(train_e
     assert {path.name: path.stat().st_mtime_ns for path in char_tokens.iterdir()} == before
 
 
+def test_the_benchmarks_folder_made_by_another_clone_is_made_again(char_tokens, tmp_path, script_modules):
+    """benchmark.py's token folder lives in ~/.cache, shared by every clone; each records its own plays' path."""
+    prepare_text, _, _ = script_modules
+    other_clone = tmp_path / "clone" / "shakespeare.txt"
+    other_clone.parent.mkdir()
+    other_clone.write_bytes(corpus_path(None).read_bytes())
+    out = tmp_path / "tokens"
+    made = prepare_tokens(other_clone, out)
+    assert made.returncode == 0, made.stderr
+    assert "vocab_size" in prepare_text.prepare_default(out)  # made again, not refused
+    for name in ("train.bin", "val.bin"):
+        assert (out / name).read_bytes() == (char_tokens / name).read_bytes()
+    assert "up to date" in prepare_text.prepare_default(out)
+
+
 def test_byte_tokens_are_any_files_bytes_and_a_half_made_folder_is_made_again(train_env, tmp_path):
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes(b"caf\xe9 cr\xe8me\n" * 40)  # not UTF-8
