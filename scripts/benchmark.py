@@ -37,9 +37,7 @@ each process's median ratio of back-to-back pairs, the others are ratios of medi
 import argparse
 import gc
 import json
-import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -58,7 +56,7 @@ from benchmark_hf_trainer import missing_note as hf_trainer_missing  # noqa: E40
 from benchmark_hf_trainer import print_report as print_hf_trainer  # noqa: E402
 from benchmark_lightning import available as lightning_available  # noqa: E402
 from benchmark_lightning import command_line_runs, lightning_throughput  # noqa: E402
-from benchmark_loops import LARGER_FILES, TOKEN_DIR, WORKLOADS  # noqa: E402
+from benchmark_loops import LARGER_FILES, TOKEN_DIR, WORKLOADS, chosen_device, report_header  # noqa: E402
 from benchmark_memory import SIZES as MEMORY_SIZES  # noqa: E402
 from benchmark_memory import STRATEGIES  # noqa: E402
 from benchmark_memory import measure as measure_memory  # noqa: E402
@@ -114,24 +112,9 @@ def main() -> None:
     except ConfigError as error:
         parser.error(str(error))
     register_configs()
-    device = torch.device(
-        "cuda"
-        if args.device == "auto" and torch.cuda.is_available()
-        else "cpu"
-        if args.device == "auto"
-        else args.device
-    )
-
+    device = chosen_device(args.device)
     report = {
-        "machine": {
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-            "cpu_threads": torch.get_num_threads(),
-        },
-        "precision": args.precision,
-        "date": time.strftime("%Y-%m-%d"),
+        **report_header(device, args.precision),
     }
     write_digits(DEFAULT_ROOT)  # the image folders of (a) and (d), unless they are there
     write_digits(LARGER_FILES, size=128)

@@ -48,7 +48,6 @@ import io
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -62,7 +61,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from benchmark_loops import compose_config, hydraloop_epoch, timed  # noqa: E402
+from benchmark_loops import chosen_device, compose_config, hydraloop_epoch, report_header, timed  # noqa: E402
 from make_image_folder import DEFAULT_ROOT  # noqa: E402
 from make_play_lines import play_lines  # noqa: E402
 
@@ -331,23 +330,9 @@ def main() -> None:
     from hydraloop.config import register_configs
 
     register_configs()
-    device = torch.device(
-        "cuda"
-        if args.device == "auto" and torch.cuda.is_available()
-        else "cpu"
-        if args.device == "auto"
-        else args.device
-    )
+    device = chosen_device(args.device)
     report = {
-        "machine": {
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-            "cpu_threads": torch.get_num_threads(),
-        },
-        "precision": args.precision,
-        "date": time.strftime("%Y-%m-%d"),
+        **report_header(device, args.precision),
         "hf_trainer": measure(args, device),
     }
     print_report(report["hf_trainer"], args.repeats)

@@ -6,6 +6,7 @@ Imported by benchmark.py, which puts src/ and scripts/ on the path first."""
 
 import itertools
 import json
+import platform
 import time
 from pathlib import Path
 
@@ -258,3 +259,25 @@ def loading_epochs(loader):
         return sum(count_rows(batch) for batch in loader)
 
     return epoch
+
+
+def chosen_device(device: str) -> torch.device:
+    """`--device`: auto (CUDA where there is one), cpu, cuda or cuda:N."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def report_header(device: torch.device, precision: str) -> dict:
+    """What a benchmark's JSON report says first: the machine, the precision and the date."""
+    return {
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+            "cpu_threads": torch.get_num_threads(),
+        },
+        "precision": precision,
+        "date": time.strftime("%Y-%m-%d"),
+    }
