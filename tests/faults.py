@@ -283,3 +283,11 @@ class WaitingInFirstAttemptMLP(MLP):
                 while not os.path.exists(self.resume_file) and time.monotonic() < deadline:
                     time.sleep(0.05)
         return super().forward(x)
+
+
+def deaf_rank_signalling_its_launcher() -> None:
+    """A spawned rank (hydraloop.parallel.spawned_ranks.launch_ranks's worker) that cannot take a stop signal yet, as
+    one still importing its modules: SIGTERM's default handler, then a SIGTERM to its launcher, which passes it on."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getppid(), signal.SIGTERM)
+    time.sleep(60)

@@ -2,6 +2,7 @@
 run's result; a dead rank ends the job quickly with its last good checkpoint intact; a restarted job resumes."""
 
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -168,6 +169,34 @@ def test_a_stop_signal_in_the_last_logging_interval_lets_every_strategy_finish(
     rerun = run_train(*command, run_dir=run.run_dir)
     assert rerun.returncode == 0, rerun.output
     assert "finished at step 22; its records are left as they are" in rerun.output
+
+
+def _finish_then_get_a_stop_signal() -> None:
+    from hydraloop.parallel.spawned_ranks import run_rank
+
+    assert run_rank(int, 7) == 7
+    os.kill(os.getpid(), signal.SIGTERM)  # the launcher's signal, passed on after this rank's work was done
+
+
+def test_a_stop_signal_reaching_a_rank_that_finished_its_work_does_not_fail_it():
+    """The launcher passes a stop signal on asynchronously: a rank that has returned its result (while the others
+    finish the run) must still exit 0, or the agent reports a finished run as a failed rank (exit 1)."""
+    rank = multiprocessing.get_context("fork").Process(target=_finish_then_get_a_stop_signal)
+    rank.start()
+    rank.join(30)
+    assert rank.exitcode == 0
+
+
+def test_a_stop_signal_that_kills_a_rank_still_starting_is_a_stop_not_a_failure():
+    """A rank that cannot take the signal yet (still importing) is ended by its default handler: the launcher that
+    passed it on reports the stop (Interrupted, exit 128 + 15), not a failed rank."""
+    from faults import deaf_rank_signalling_its_launcher
+    from hydraloop.errors import Interrupted
+    from hydraloop.parallel.spawned_ranks import launch_ranks
+
+    with pytest.raises(Interrupted) as stop:
+        launch_ranks(1, 0, 30, deaf_rank_signalling_its_launcher)
+    assert stop.value.signum == signal.SIGTERM and "rank 0 had not started training" in str(stop.value)
 
 
 def test_elastic_torchrun_loses_a_node_and_finishes_alone_as_single_does(tmp_path, train_env, uninterrupted_1_epoch):

@@ -63,6 +63,9 @@ def launch_ranks(
             raise Interrupted(stop.sigval, "(no checkpoint)") from None  # Ctrl-C's SIGINT
         except ChildFailedError as failed:
             rank, failure = _first_failure(failed)
+            if passed_on.signum and failure.exitcode == -passed_on.signum:  # a rank still starting, not yet listening
+                where = f"(passed on to the ranks; rank {rank} had not started training and ended at once)"
+                raise Interrupted(passed_on.signum, where) from None
             message = failure.message.get("message") if isinstance(failure.message, dict) else failure.message
             if str(message).startswith("ConfigError: "):  # bad input only a rank could see, e.g. in a data file
                 raise ConfigError(str(message).removeprefix("ConfigError: ")) from None
@@ -108,9 +111,15 @@ def run_rank(worker: Callable[..., T], *args) -> T | Stopped:
     default, which the agent would take for a failed rank."""
     with stop_at_once():
         try:
-            return worker(*args)
+            result = worker(*args)
         except Interrupted as stop:
-            return Stopped(stop.signum, str(stop).removeprefix(f"stopped by {signal.Signals(stop.signum).name} "))
+            result = Stopped(stop.signum, str(stop).removeprefix(f"stopped by {signal.Signals(stop.signum).name} "))
+        # The rank's work is done; a stop signal passed on from now (the launcher's comes asynchronously, and may
+        # reach a rank that finished first) has nothing left to stop, while its default would end the process as a
+        # failed rank as it hands its result to the agent.
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        return result
 
 
 @contextmanager
