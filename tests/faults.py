@@ -291,11 +291,3 @@ def deaf_rank_signalling_its_launcher() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getppid(), signal.SIGTERM)
     time.sleep(60)
-
-
-def exp_on_two_threads() -> str:
-    """A rank's computation on two threads: in a rank forked from a process whose OpenMP pool had started, it would
-    wait forever on the pool's threads."""
-    torch.set_num_threads(2)
-    torch.randn(10**7).exp_()
-    return "computed"

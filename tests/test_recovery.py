@@ -195,34 +195,8 @@ def test_a_stop_signal_that_kills_a_rank_still_starting_is_a_stop_not_a_failure(
     from hydraloop.parallel.spawned_ranks import launch_ranks
 
     with pytest.raises(Interrupted) as stop:
-        launch_ranks(1, 0, 30, "spawn", deaf_rank_signalling_its_launcher)
+        launch_ranks(1, 0, 30, deaf_rank_signalling_its_launcher)
     assert stop.value.signum == signal.SIGTERM and "rank 0 had not started training" in str(stop.value)
-
-
-LAUNCHER_WITH_A_POOL = """
-import torch
-from faults import exp_on_two_threads
-from hydraloop.parallel.ddp import DDPStrategy
-
-torch.set_num_threads(2)
-torch.randn(10**7).exp_()  # starts OpenMP's pool of threads in this process
-print(DDPStrategy(device="cpu", nproc_per_node=2).launch(exp_on_two_threads))
-"""
-
-
-def test_a_launcher_whose_thread_pool_has_started_spawns_its_ranks(train_env):
-    """parallel.start_method=auto forks ranks on the CPU, but not from a process that has computed on several threads
-    (a joblib worker after a single-process job): a forked rank's first op on several threads would wait forever on
-    the pool's threads, which a fork does not copy. It spawns them, and they compute."""
-    proc = subprocess.run(
-        [sys.executable, "-c", LAUNCHER_WITH_A_POOL],
-        cwd=Path(__file__).parent,
-        env=train_env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0 and proc.stdout.splitlines()[-1] == "computed", proc.stdout + proc.stderr
 
 
 def test_elastic_torchrun_loses_a_node_and_finishes_alone_as_single_does(tmp_path, train_env, uninterrupted_1_epoch):
