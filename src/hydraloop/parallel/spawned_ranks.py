@@ -1,6 +1,5 @@
-"""How parallel=ddp and fsdp start their own ranks, without torchrun: torch.distributed.elastic (`launch_ranks`),
-forked or spawned (parallel.start_method; `forkable` says when a fork is safe), the first failed rank's error reported
-as the job's, and stop signals passed on to the ranks, which decide together what
+"""How parallel=ddp and fsdp start their own ranks, without torchrun: torch.distributed.elastic (`launch_ranks`), the
+first failed rank's error reported as the job's, and stop signals passed on to the ranks, which decide together what
 they mean (hydraloop.preemption); a rank that stopped returns that as its result, not as a failure."""
 
 import logging
@@ -27,41 +26,11 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
-START_METHODS = ("auto", "fork", "spawn")
-
-
-def _threads() -> int | None:
-    """This process's threads, as Linux lists them; None elsewhere."""
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:
-        return None
-
-
-# The threads that importing torch leaves (numpy's OpenBLAS pool, which re-creates itself in a forked child), counted
-# when the launcher imports this module, before it computes anything.
-_THREADS_AFTER_IMPORTS = _threads()
-
-
-def forkable() -> bool:
-    """Whether a fork of this process is whole: no thread started since this module was imported. Above all no
-    OpenMP pool, which a computation with several threads leaves behind (a joblib worker's earlier job): a forked
-    child's first parallel region would wait forever on threads it does not have."""
-    threads = _threads()
-    return threads is not None and _THREADS_AFTER_IMPORTS is not None and threads <= _THREADS_AFTER_IMPORTS
-
-
 def launch_ranks(
-    nproc_per_node: int,
-    max_restarts: int,
-    shutdown_timeout_s: float,
-    start_method: str,
-    worker: Callable[..., T],
-    *args,
+    nproc_per_node: int, max_restarts: int, shutdown_timeout_s: float, worker: Callable[..., T], *args
 ) -> T:
     """`worker(*args)` in `nproc_per_node` ranks that torch.distributed.elastic starts (hydraloop.parallel.ddp's
-    DDPStrategy says how), and rank 0's result; a rank's failure and a stop signal end as hydraloop's errors.
-    `start_method`: spawn or fork (parallel.start_method, resolved)."""
+    DDPStrategy says how), and rank 0's result; a rank's failure and a stop signal end as hydraloop's errors."""
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -71,7 +40,7 @@ def launch_ranks(
         rdzv_endpoint="localhost:0",  # port 0: the agent binds a free port and tells the workers
         max_restarts=max_restarts,
         monitor_interval=0.1,
-        start_method=start_method,
+        start_method="spawn",
         # What ends the ranks at once (Ctrl-C's SIGINT); the stop signals are passed on by passed_on_to_ranks.
         signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
         shutdown_timeout=int(shutdown_timeout_s),  # how long the ranks get to end on SIGINT before SIGKILL
@@ -144,7 +113,6 @@ def run_rank(worker: Callable[..., T], *args) -> T | Stopped:
     """A spawned rank: `worker(*args)`. Before and after the training loop's own handling of stop signals
     (hydraloop.preemption.StopRequest), one ends the rank through Interrupted too (stop_at_once), not by the signal's
     default, which the agent would take for a failed rank."""
-    _signals_as_in_a_fresh_process()
     with stop_at_once():
         try:
             result = worker(*args)
@@ -156,14 +124,6 @@ def run_rank(worker: Callable[..., T], *args) -> T | Stopped:
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
         return result
-
-
-def _signals_as_in_a_fresh_process() -> None:
-    """A forked rank starts with its launcher's handlers (passing stop signals on, the agent's for SIGINT): it gets
-    the defaults a spawned one starts with, which hydraloop.preemption builds on."""
-    for sig in (*STOP_SIGNALS, signal.SIGHUP, signal.SIGQUIT, signal.SIGALRM):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @contextmanager
@@ -183,13 +143,7 @@ def passed_on_to_ranks(shutdown_timeout_s: float) -> Iterator[StopRequest]:
         yield passed_on
         return
 
-    launcher = os.getpid()
-
     def pass_on(signum: int, frame: FrameType | None) -> None:
-        if os.getpid() != launcher:  # a forked rank, before it set its own handlers: ended as a spawned one would be
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
         ranks = multiprocessing.active_children()  # the agent starts the ranks as this process's children
         if not ranks:
             raise SignalException(f"got {signal.Signals(signum).name} with no rank running", signal.Signals(signum))
