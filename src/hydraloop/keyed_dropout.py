@@ -15,6 +15,7 @@ being a layer of its own. An activation checkpoint's recomputation runs in the b
 no rows: `same_masks_in_recompute` (its `context_fn`) gives it the rows, step and call count the forward saw.
 """
 
+import math
 import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -165,15 +166,36 @@ def keyed_dropout(x: Tensor, p: float, key_term: int) -> Tensor:
                 f"{len(rows)} rows nor a multiple of them"
             )
         shape = (len(rows), shape[0] // len(rows), *shape[1:])
+    keep = _keep(shape if len(shape) > 1 else (*shape, 1), p, rows, step_key * _GOLDEN + key_term)
+    # Zeroed, then scaled in place: no float copy of the mask, and the backward pass saves only the boolean one.
+    return torch.where(keep.view(x.shape), x, 0.0).mul_(1.0 / (1.0 - p))
+
+
+# Each 64-bit hash decides _LANES neighbours along the last dimension, one 16-bit lane each: element t takes lane
+# t % _LANES of hash t // _LANES (the lanes in memory order, the same on every little-endian device: x86, ARM,
+# CUDA). A quarter of the hashing that one hash per element costs, and no uniforms in float: each lane is compared
+# with an integer threshold.
+_LANES = 4
+_LANE_BITS = 64 // _LANES
+
+
+def _keep(shape: tuple[int, ...], p: float, rows: Tensor, layer_step_key: Tensor) -> Tensor:
+    """Whether each element of a tensor of `shape` (rows first, at least two dimensions) is kept: with probability
+    1 - p to within 2**-16."""
     # An element's key is hashed from its coordinates one dimension at a time, not from its offset in the row: the
     # token at position t of a sample gets the same mask however long the batch is padded (each rank and each
-    # micro-batch pads to its own longest sample). The hashes before the last dimension are small tensors.
-    element_keys = _mix(rows + step_key * _GOLDEN + key_term)
-    for size in shape[1:]:
-        coordinates = torch.arange(size, dtype=torch.int64, device=x.device) * _GOLDEN
-        element_keys = _mix(element_keys[..., None] + coordinates)
-    keep = (_uniform(element_keys) >= p).view(x.shape)
-    return x * keep.to(x.dtype) / (1.0 - p)
+    # micro-batch pads to its own longest sample), in the last dimension too (attention's keys): lanes are picked
+    # by coordinate. The hashes before the last dimension are small tensors.
+    keys = _mix_(rows + layer_step_key)
+    for size in shape[1:-1]:
+        keys = _mix_(keys[..., None] + torch.arange(size, dtype=torch.int64, device=rows.device) * _GOLDEN)
+    size = shape[-1]
+    groups = torch.arange(-(-size // _LANES), dtype=torch.int64, device=rows.device) * _GOLDEN
+    lanes = _mix_(keys[..., None] + groups).view(torch.int16)[..., :size]
+    # A lane as an unsigned u in [0, 2**16) keeps its element where u >= p * 2**16; as a signed one, where it is at
+    # least that threshold less 2**15. The threshold stays an int16: a p above 1 - 2**-16 keeps 2**-16 (not none).
+    threshold = min(math.ceil(p * 2**_LANE_BITS), 2**_LANE_BITS - 1) - 2 ** (_LANE_BITS - 1)
+    return lanes >= threshold
 
 
 def key_functional_dropout(model: nn.Module) -> None:
@@ -209,22 +231,20 @@ def _dropout_keyed_by_call(input: Tensor, p: float = 0.5, training: bool = True,
     return input.copy_(dropped) if inplace else dropped
 
 
-def _mix(z: Tensor) -> Tensor:
-    """SplitMix64's finaliser (Steele et al. 2014), with logical right shifts made from arithmetic ones."""
-    z = z ^ ((z >> 30) & ((1 << 34) - 1))
-    z = z * _MIX1
-    z = z ^ ((z >> 27) & ((1 << 37) - 1))
-    z = z * _MIX2
-    return z ^ ((z >> 31) & ((1 << 33) - 1))
-
-
-def _uniform(z: Tensor) -> Tensor:
-    """The top 24 bits of each hash as a float32 in [0, 1)."""
-    return ((z >> 40) & 0xFFFFFF).to(torch.float32) * (1.0 / (1 << 24))
+def _mix_(z: Tensor) -> Tensor:
+    """SplitMix64's finaliser (Steele et al. 2014) in place on `z` (a tensor of the caller's making), with logical
+    right shifts made from arithmetic ones. In place, into one scratch tensor: no allocation per operation."""
+    shifted = torch.empty_like(z)
+    for shift, multiplier in ((30, _MIX1), (27, _MIX2), (31, 1)):
+        torch.bitwise_right_shift(z, shift, out=shifted)
+        z ^= shifted.bitwise_and_((1 << 64 - shift) - 1)
+        if multiplier != 1:
+            z *= multiplier
+    return z
 
 
 def mix_int(z: int) -> int:
-    """`_mix` of one Python integer, as a signed 64-bit value: the step's key, computed on the host."""
+    """`_mix_` of one Python integer, as a signed 64-bit value: the step's key, computed on the host."""
     z &= _MASK64
     z ^= z >> 30
     z = (z * _MIX1) & _MASK64
