@@ -1,7 +1,7 @@
 """Measures what hydraloop costs against plain PyTorch, side by side in one invocation.
 
     python scripts/benchmark.py [--repeats 5] [--loop-processes 3] [--out outputs/benchmark.json] [--device auto]
-                                [--precision 32]
+                                [--precision 32] [--smoke]
 
 (a) Loop throughput: hydraloop's Trainer.train_epoch against a minimal hand-written loop on the same model, data,
     global batch, optimizer and precision, samples interleaved (A B A B ...) so drifting machine load hits both,
@@ -79,6 +79,11 @@ gc.freeze()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="each section's code at the least work (2 batches an epoch, an epoch a sample): the figures mean nothing",
+    )
     parser.add_argument("--loop-processes", type=int, default=3, help="(a) is measured in this many processes")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--precision", default="32", choices=["32", "bf16", "fp16"])

@@ -54,7 +54,8 @@ def startup(args) -> dict:
             "hand-written first step": [sys.executable, "-c", HANDWRITTEN_FIRST_STEP],
             "hand-written, collector paused": [sys.executable, "-c", HANDWRITTEN_FIRST_STEP_PAUSED],
         }
-        run_command(train)  # fills the data cache and the OS file cache
+        if not args.smoke:
+            run_command(train)  # fills the data cache and the OS file cache
         times = {label: [] for label in commands}
         for _ in range(args.repeats):
             for label, command in commands.items():

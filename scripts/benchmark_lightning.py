@@ -14,7 +14,16 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from benchmark_loops import DEFAULT_THREADS, WORKLOADS, compose_config, datasets, hydraloop_epoch, timed
+from benchmark_loops import (
+    DEFAULT_THREADS,
+    SMOKE_BATCHES,
+    WORKLOADS,
+    compose_config,
+    datasets,
+    hydraloop_epoch,
+    smoke_overrides,
+    timed,
+)
 from hydra.utils import instantiate
 from torch.utils.data import DataLoader
 
@@ -82,12 +91,12 @@ def lightning_throughput(args, device: torch.device) -> list[dict]:
     in turn; Lightning quiet (no logger, checkpoints or progress bar) and with its defaults."""
     rows = []
     for name in args.lightning_workloads:
-        cfg = compose_config([*WORKLOADS[name], f"trainer.precision={args.precision}"])
+        cfg = compose_config([*WORKLOADS[name], f"trainer.precision={args.precision}", *smoke_overrides(args)])
         hydraloop = hydraloop_epoch(cfg, device)
         hydraloop()  # warm-up
         start = time.perf_counter()
         hydraloop()
-        epochs = max(1, math.ceil(0.5 / (time.perf_counter() - start)))
+        epochs = 1 if args.smoke else max(1, math.ceil(0.5 / (time.perf_counter() - start)))
         samples = {"hydraloop": [], "Lightning, quiet": [], "Lightning, defaults": []}
         for _ in range(args.repeats):
             samples["hydraloop"].append(timed(hydraloop, device, epochs))
@@ -133,7 +142,7 @@ class Module(L.LightningModule):
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
 
-L.Trainer(max_epochs=1, accelerator="cpu", default_root_dir=ROOT).fit(
+L.Trainer(max_epochs=1, limit_train_batches=LIMIT, accelerator="cpu", default_root_dir=ROOT).fit(
     Module(), loader(x_train, y_train, True), loader(x_val, y_val, False)
 )
 """
@@ -145,9 +154,10 @@ def command_line_runs(args) -> dict:
     times: dict[str, list[float]] = {"hydraloop": [], "Lightning": []}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
-            hydraloop = [sys.executable, str(REPO / "src" / "train.py"), "trainer.max_epochs=1"]
+            hydraloop = [sys.executable, str(REPO / "src" / "train.py"), "trainer.max_epochs=1", *smoke_overrides(args)]
             hydraloop.append(f"hydra.run.dir={tmp}/hydraloop_{repeat}")
-            lightning = [sys.executable, "-c", LIGHTNING_DIGITS_RUN.replace("ROOT", repr(f"{tmp}/lightning_{repeat}"))]
+            script = LIGHTNING_DIGITS_RUN.replace("ROOT", repr(f"{tmp}/lightning_{repeat}"))
+            lightning = [sys.executable, "-c", script.replace("LIMIT", str(SMOKE_BATCHES if args.smoke else 1.0))]
             for label, command in (("hydraloop", hydraloop), ("Lightning", lightning)):
                 start = time.perf_counter()
                 subprocess.run(command, cwd=REPO, check=True, capture_output=True)

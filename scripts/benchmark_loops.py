@@ -80,6 +80,12 @@ WORKLOADS = {
     "HF GPT-2, dropout": HF_GPT2,
 }
 DICT_BATCHES = {"GPT, dict batches"}
+SMOKE_BATCHES = 2  # --smoke's epoch: the test of the benchmark runs every section's code, at the least work
+
+
+def smoke_overrides(args) -> list[str]:
+    """A workload's extra overrides under --smoke: epochs of SMOKE_BATCHES batches."""
+    return [f"trainer.limit_train_batches={SMOKE_BATCHES}"] if args.smoke else []
 
 
 class AsDicts(Dataset):

@@ -18,11 +18,13 @@ from benchmark_loops import (
     DICT_BATCHES,
     IMAGE_FOLDER,
     PER_SAMPLE_TAIL,
+    SMOKE_BATCHES,
     WORKLOADS,
     compose_config,
     handwritten_epoch,
     hydraloop_epoch,
     loading_epochs,
+    smoke_overrides,
     timed,
 )
 from hydra.utils import instantiate
@@ -35,8 +37,7 @@ BENCHMARK = str(Path(__file__).resolve().parent / "benchmark.py")  # (a) runs it
 def loop_throughput(args, device: torch.device) -> list[dict]:
     rows = []
     for name in args.workloads:
-        overrides = WORKLOADS[name]
-        cfg = compose_config([*overrides, f"trainer.precision={args.precision}"])
+        cfg = compose_config([*WORKLOADS[name], f"trainer.precision={args.precision}", *smoke_overrides(args)])
         dicts = name in DICT_BATCHES
         contenders = {
             "hydraloop": hydraloop_epoch(
@@ -50,7 +51,7 @@ def loop_throughput(args, device: torch.device) -> list[dict]:
         # timing by several percent: each sample times as many epochs as fill about half a second.
         start = time.perf_counter()
         contenders["hand-written"]()
-        epochs = max(1, math.ceil(0.5 / (time.perf_counter() - start)))
+        epochs = 1 if args.smoke else max(1, math.ceil(0.5 / (time.perf_counter() - start)))
         samples = {label: [] for label in contenders}
         for _ in range(args.repeats):
             for label, epoch in contenders.items():
@@ -81,7 +82,7 @@ def loop_throughput_in_processes(args) -> list[dict]:
             # Only (a)'s figures are read back.
             others = ["startup", "ddp", "images", "lightning", "memory", "hf_trainer"]
             one_process = ["--loop-processes", "1", "--skip", *others, "--out", str(out)]
-            one_process += ["--workloads", *args.workloads]
+            one_process += ["--workloads", *args.workloads, *(["--smoke"] if args.smoke else [])]
             options = ["--repeats", str(args.repeats), "--device", args.device, "--precision", args.precision]
             subprocess.run([sys.executable, BENCHMARK, *options, *one_process], check=True, capture_output=True)
             runs.append(json.loads(out.read_text())["loop"])
@@ -114,6 +115,7 @@ def image_loader_throughput(args, device: torch.device) -> list[dict]:
             drop_last=True,
             device=device,
             elementwise_per_batch=per_batch,
+            limit_train_batches=SMOKE_BATCHES if args.smoke else None,
         )
         epoch = loading_epochs(loader)
         epoch()

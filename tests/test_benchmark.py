@@ -16,7 +16,8 @@ def test_benchmark_reports_loop_and_startup_figures(tmp_path, train_env):
     out = tmp_path / "benchmark.json"
     proc = subprocess.run(
         [
-            *[sys.executable, str(REPO / "scripts" / "benchmark.py"), "--repeats", "2", "--loop-processes", "2"],
+            *[sys.executable, str(REPO / "scripts" / "benchmark.py"), "--smoke"],
+            *["--repeats", "2", "--loop-processes", "2"],
             *[
                 "--skip",
                 "ddp",
@@ -107,3 +108,18 @@ def test_nanogpt_benchmark_scores_a_run_as_its_own_val_loss(tmp_path, train_env)
     assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
         f"--nanogpt {tmp_path}: not a nanoGPT checkout (no train.py and model.py there)"
     ]
+
+
+def test_attention_benchmark_shows_keyed_dropout_saves_no_attention_weights_at_a_long_sequence(tmp_path, train_env):
+    """scripts/benchmark_attention.py (gpu_check's step 6) on the CPU, past 2 x BLOCK tokens: the keyed model saves
+    none of the (batch, heads, T, T) weights; transformers' as shipped does (no fused kernel with dropout on a CPU)."""
+    pytest.importorskip("transformers", reason="the hf extra (in dev)")
+    out = tmp_path / "attention.json"
+    command = [sys.executable, str(REPO / "scripts" / "benchmark_attention.py"), "--device", "cpu", "--out", str(out)]
+    sizes = ["--length", "264", "--batch", "2", "--layers", "1", "--width", "32", "--heads", "4", "--repeats", "1"]
+    proc = subprocess.run([*command, *sizes], env=train_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    keyed, torchs = json.loads(out.read_text())["rows"]
+    assert keyed["attention_weights_elements"] == 2 * 4 * 264**2
+    assert not keyed["saves_attention_weights"] and torchs["saves_attention_weights"], (keyed, torchs)
+    assert keyed["ms_per_step"] > 0 and "keyed over torch's" in proc.stdout
