@@ -100,8 +100,7 @@ def recorded_figure(name: str) -> tuple[str, float]:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [name for name in RUNNABLE if name not in MEASURED_ONLY])
 def test_recipe_reaches_its_recorded_figure(run_train, image_folder, name):
-    """The whole recipe, as documented. CPU round-off differs with the thread count: allow 0.02 (3% of a loss).
-    images_resnet ran past 5 minutes on 2 cores beside a second pytest-xdist worker (2026-12-05)."""
+    """The whole recipe, as documented. CPU round-off differs with the thread count: allow 0.02 (3% of a loss)."""
     metric, expected = recorded_figure(name)
     cfg = compose_train(f"experiment={name}")
     assert metric == cfg.optimized_metric
