@@ -44,18 +44,25 @@ def tiny_single(run_train):
 
 
 @pytest.mark.slow
-def test_a_small_gpt_learns_well_below_the_unigram_entropy(run_train):
+def test_a_gpt_run_logs_perplexity_tokens_and_validates_at_its_interval_the_epoch_end_and_the_last_step(run_train):
+    """What the recipe logs, on a short run of it (its whole run, which test_experiments.py holds to its recorded
+    val/loss of 2.14 nats, learns well below the validation text's unigram entropy of 3.36)."""
     run = run_train(
-        "experiment=text_gpt", "trainer.max_steps=200", "trainer.val_every_n_steps=100", "logger=csv", timeout=400
+        "experiment=text_gpt",
+        "trainer.limit_train_batches=40",
+        "trainer.max_steps=50",
+        "trainer.val_every_n_steps=30",
+        "trainer.log_every_n_steps=7",
+        "trainer.limit_val_batches=4",
+        "logger=csv",
     )
     assert run.returncode == 0, run.output
-    corpus = encode(read_text(None, "char"), run.checkpoint()["config"]["data"]["vocab"])
-    val_tokens = corpus[int(len(corpus) * 0.9) :]
-    entropy = unigram_entropy(val_tokens)  # 3.36 nats: the best loss without context
     metrics = run.metrics
-    assert metrics["val/loss"] < 0.8 * entropy, (metrics["val/loss"], entropy)
+    assert metrics["val/loss"] < unigram_entropy(
+        encode(read_text(None, "char"), run.checkpoint()["config"]["data"]["vocab"])
+    )
     assert metrics["val/ppl"] == pytest.approx(math.exp(metrics["val/loss"]))
-    assert metrics["global_step"] == 200 and metrics["model/params"] == sum(
+    assert metrics["global_step"] == 50 and metrics["model/params"] == sum(
         p.numel() for p in weights(run.run_dir).values()
     )
     rows = list(csv.DictReader((run.run_dir / "metrics.csv").open()))
@@ -64,7 +71,7 @@ def test_a_small_gpt_learns_well_below_the_unigram_entropy(run_train):
         float(row["perf/tokens_per_sec"]) == pytest.approx(64 * float(row["perf/samples_per_sec"])) for row in logged
     )
     validated = [int(row["step"]) for row in rows if row.get("val/loss")]
-    assert validated == [100, 184, 200]  # every 100 steps, at the epoch end (184 steps), and at the last step
+    assert validated == [30, 40, 50]  # at 30 steps, at the epoch end (40 steps), and at the last step
 
 
 @pytest.mark.slow
