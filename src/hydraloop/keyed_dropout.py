@@ -166,7 +166,7 @@ def keyed_dropout(x: Tensor, p: float, key_term: int) -> Tensor:
                 f"{len(rows)} rows nor a multiple of them"
             )
         shape = (len(rows), shape[0] // len(rows), *shape[1:])
-    keep = _keep(shape if len(shape) > 1 else (*shape, 1), p, rows, step_key * _GOLDEN + key_term)
+    keep = keep_mask(shape if len(shape) > 1 else (*shape, 1), p, rows, layer_key(step_key, key_term))
     # Zeroed, then scaled in place: no float copy of the mask, and the backward pass saves only the boolean one.
     return torch.where(keep.view(x.shape), x, 0.0).mul_(1.0 / (1.0 - p))
 
@@ -179,16 +179,24 @@ _LANES = 4
 _LANE_BITS = 64 // _LANES
 
 
-def _keep(shape: tuple[int, ...], p: float, rows: Tensor, layer_step_key: Tensor) -> Tensor:
+def layer_key(step_key: Tensor, key_term: int) -> Tensor:
+    """The key of a layer's masks at the step: `keep_mask`'s `layer_step_key`."""
+    return step_key * _GOLDEN + key_term
+
+
+def keep_mask(shape: tuple[int, ...], p: float, rows: Tensor, layer_step_key: Tensor, first: int = 0) -> Tensor:
     """Whether each element of a tensor of `shape` (rows first, at least two dimensions) is kept: with probability
-    1 - p to within 2**-16."""
+    1 - p to within 2**-16. `first`: the tensor is a slice of a larger one along its second-to-last dimension (a block
+    of attention's queries, hydraloop.keyed_attention), starting there; its elements are kept as the larger one's."""
     # An element's key is hashed from its coordinates one dimension at a time, not from its offset in the row: the
     # token at position t of a sample gets the same mask however long the batch is padded (each rank and each
     # micro-batch pads to its own longest sample), in the last dimension too (attention's keys): lanes are picked
     # by coordinate. The hashes before the last dimension are small tensors.
     keys = _mix_(rows + layer_step_key)
-    for size in shape[1:-1]:
-        keys = _mix_(keys[..., None] + torch.arange(size, dtype=torch.int64, device=rows.device) * _GOLDEN)
+    for dim, size in enumerate(shape[1:-1], start=1):
+        start = first if dim == len(shape) - 2 else 0
+        coordinates = torch.arange(start, start + size, dtype=torch.int64, device=rows.device)
+        keys = _mix_(keys[..., None] + coordinates * _GOLDEN)
     size = shape[-1]
     groups = torch.arange(-(-size // _LANES), dtype=torch.int64, device=rows.device) * _GOLDEN
     lanes = _mix_(keys[..., None] + groups).view(torch.int16)[..., :size]

@@ -6,8 +6,9 @@ model=hf's `keyed_dropout=true` (the default) replaces every nn.Dropout with hyd
 attention through `hydraloop_keyed`, an attention function whose dropout is keyed the same way
 (hydraloop.keyed_dropout): every strategy then trains the same weights. It computes attention with torch's
 scaled_dot_product_attention when no dropout applies (evaluation, or no attention dropout), and otherwise explicitly
-(softmax, then the keyed mask). A model that calls dropout as a function (OPT, BART, Whisper) has those calls keyed by
-their order in its forward pass (keyed_dropout.key_functional_dropout).
+(softmax, then the keyed mask): for sequences past 2 x hydraloop.keyed_attention.BLOCK, a block of queries at a time,
+so that the (batch, heads, T, T) weights are never all held. A model that calls dropout as a function (OPT, BART,
+Whisper) has those calls keyed by their order in its forward pass (keyed_dropout.key_functional_dropout).
 """
 
 from typing import Any
@@ -15,7 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hydraloop.keyed_dropout import KeyedDropout, key_functional_dropout, keyed_dropout, mix_int
+from hydraloop.keyed_attention import BLOCK, blocked_keyed_attention
+from hydraloop.keyed_dropout import KeyedDropout, current_rows, key_functional_dropout, keyed_dropout, mix_int
 
 KEYED_ATTENTION = "hydraloop_keyed"
 
@@ -58,6 +60,12 @@ def keyed_attention(
         )
         return output.transpose(1, 2).contiguous(), None
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    keys = current_rows()
+    if query.shape[2] > 2 * BLOCK and keys is not None and len(keys[0]):  # see hydraloop.keyed_attention
+        output = blocked_keyed_attention(
+            query, key, value, attention_mask, dropout, scaling, *keys, module.keyed_dropout_key
+        )
+        return output.transpose(1, 2).contiguous(), None
     weights = torch.matmul(query, key.transpose(-1, -2)) * scaling
     if attention_mask is not None:
         weights = weights + attention_mask
