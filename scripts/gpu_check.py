@@ -8,7 +8,10 @@ lent for a few minutes, offline, with a CUDA PyTorch already installed.
    with as many ranks as there are GPUs (at most 2); and experiment=text_gpt in bf16, compiled: tokens/s and MFU;
 5. memory: scripts/benchmark_memory.py's table (each rank's max_memory_allocated through a save and a resume) under
    single, ddp and fsdp with as many ranks as there are GPUs (at most 2; on one GPU, fsdp with one rank is the
-   degenerate case, reported as such).
+   degenerate case, reported as such);
+6. attention: scripts/benchmark_attention.py, a GPT-2 with attention dropout at 2048 tokens, keyed (a block of
+   queries at a time) against torch's dropout in the fused kernel: time per step, peak memory, and whether the
+   (batch, heads, T, T) weights are saved for the backward pass.
 
 Every step gets what is left of `--budget-s`; one that fails or runs out of time does not stop the others. Writes
 OUT/gpu_check.json (everything) beside OUT/gpu_check.log (all the output), prints a short table, and exits 1 when
@@ -178,6 +181,15 @@ def memory_table(args, steps: Steps, out: Path, env: dict) -> dict:
     return {**json.loads(json_file.read_text()), "degenerate": ranks == "1"}
 
 
+def long_attention(args, steps: Steps, out: Path, env: dict) -> dict:
+    json_file = out / "benchmark_attention.json"
+    size = ["--length", "512", "--batch", "2"] if args.device == "cpu" else ["--length", "2048", "--batch", "4"]
+    command = [sys.executable, "scripts/benchmark_attention.py", "--device", args.device, *size]
+    command += ["--out", str(json_file)]
+    status, _ = steps.run("attention", command, limit_s=90, env=env)
+    return json.loads(json_file.read_text()) if status == "ok" else {}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path, nargs="?", default=REPO / "outputs" / "gpu_check")
@@ -228,6 +240,7 @@ def main() -> None:
     report["runs"] = training_runs(args, steps, out, env)
     report["gpt"] = gpt_run(args, steps, out, env)
     report["memory"] = memory_table(args, steps, out, env)
+    report["attention"] = long_attention(args, steps, out, env)
     report["steps"], report["failed"] = steps.record, steps.failed
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
     log(summary(report))
@@ -269,6 +282,14 @@ def summary(report: dict) -> str:
             lines.append(f"  {row['strategy']:6} GPT {row['gpt']:8} {recompute:9} {figures}{vs}")
         for stall in memory["checkpoint_stall"]:
             lines.append(f"  checkpoint written {stall['written']}: {stall['stall_s_per_checkpoint']:.3f} s stall")
+    attention = report.get("attention") or {}
+    if attention:
+        lines.append(f"GPT-2, attention dropout, {attention['batch']} x {attention['length']} tokens:")
+        for row in attention["rows"]:
+            peak = "-" if row["peak_mib_above_model"] is None else f"{row['peak_mib_above_model']:.0f} MiB"
+            saves = "saves" if row["saves_attention_weights"] else "saves no"
+            figures = f"{row['ms_per_step']:>8.1f} ms/step, peak {peak}, {saves} T x T weights"
+            lines.append(f"  {row['dropout']:<34}{figures}")
     skipped = [r["step"] for r in report["steps"] if "skipped" in r["status"]]
     lines.append(f"skipped for lack of time: {', '.join(skipped)}" if skipped else "every step ran")
     lines.append(f"FAILED: {'; '.join(report['failed'])}" if report["failed"] else "nothing failed")
