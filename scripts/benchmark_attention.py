@@ -6,14 +6,15 @@ attention kernel where the device has one), one training step at a time.
                                           [--repeats 5] [--device auto] [--out outputs/benchmark_attention.json]
 
 Per model: the median milliseconds of a forward and backward pass; the peak memory of one (CUDA's
-max_memory_allocated above the model's own; on the CPU, none); and the largest tensor saved for the backward pass,
-against the size of one layer's (batch, heads, T, T) attention weights: keyed dropout computes attention a block of
-queries at a time (hydraloop.keyed_attention) and must save none of them. scripts/gpu_check.py runs it at 2048 tokens;
+max_memory_allocated above the model's own; on the CPU, none); the largest tensor saved for the backward pass; and
+whether one of (batch, heads, T, T), a layer's attention weights or their mask, is saved: keyed dropout computes
+attention a block of queries at a time (hydraloop.keyed_attention) and must save none. scripts/gpu_check.py runs it at 2048 tokens;
 on the CPU, torch has no fused kernel with dropout and stores the weights itself.
 """
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -45,11 +46,11 @@ def measure(args, device: torch.device, keyed: bool) -> dict:
     model = hf_model(model_type="gpt2", config=config, vocab_size=VOCAB, keyed_dropout=keyed).to(device).train()
     ids = torch.randint(0, VOCAB, (args.batch, args.length), device=device)
     keys = RowKeys(seed=0, rank=0, world_size=1, device=device)
-    sizes: list[int] = []
+    shapes: list[tuple[int, ...]] = []
 
     def step(number: int, record: bool = False) -> None:
         def saved(tensor: torch.Tensor) -> torch.Tensor:
-            sizes.append(tensor.numel())
+            shapes.append(tuple(tensor.shape))
             return tensor
 
         hooks = torch.autograd.graph.saved_tensors_hooks(saved, lambda tensor: tensor) if record else nullcontext()
@@ -71,14 +72,15 @@ def measure(args, device: torch.device, keyed: bool) -> dict:
         if cuda:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
-    weights = args.batch * args.heads * args.length**2
+    weights = (args.batch, args.heads, args.length, args.length)
     return {
         "dropout": "keyed (hydraloop)" if keyed else "torch's (transformers as shipped)",
         "ms_per_step": 1000 * statistics.median(times),
         "peak_mib_above_model": (torch.cuda.max_memory_allocated(device) - resident) / 2**20 if cuda else None,
-        "largest_saved_elements": max(sizes),
-        "attention_weights_elements": weights,
-        "saves_attention_weights": max(sizes) >= weights,
+        "largest_saved_elements": max(math.prod(shape) for shape in shapes),
+        "attention_weights_elements": math.prod(weights),
+        # A layer's weights, or their mask, by shape: not transformers' additive mask, (batch, 1, T, T).
+        "saves_attention_weights": weights in shapes,
     }
 
 
@@ -93,6 +95,14 @@ def main() -> None:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "benchmark_attention.json")
     args = parser.parse_args()
+    for flag, value, least in (("--length", args.length, 1), ("--batch", args.batch, 1), ("--layers", args.layers, 1)):
+        if value < least:
+            parser.error(f"{flag} {value}: must be at least {least}")
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: must be at least 1")
+    if args.heads < 2 or args.width % args.heads:
+        # One head's weights, (batch, 1, T, T), would not be told apart from the mask.
+        parser.error(f"--heads {args.heads} with --width {args.width}: at least 2 heads, dividing the width")
     name = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     rows = [measure(args, device, keyed) for keyed in (True, False)]

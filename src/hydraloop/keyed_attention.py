@@ -15,6 +15,7 @@ sequences longer than 2 x BLOCK.
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from hydraloop.keyed_dropout import keep_mask, layer_key
 
@@ -35,8 +36,8 @@ def blocked_keyed_attention(
 ) -> Tensor:
     """softmax(query @ key^T * scale + additive_mask), its elements dropped by keyed masks with probability `p`,
     times value: (batch, heads, T_query, head_dim), as `keyed_dropout(softmax(...), p, key_term) @ value` computes
-    it, to round-off. `additive_mask` broadcasts to (batch, heads, T_query, T_key); `rows` and `step_key` are the
-    loop's (keyed_dropout.current_rows)."""
+    it, to round-off. `additive_mask` broadcasts to (batch, heads, T_query, T_key) and gets no gradient; `rows` and
+    `step_key` are the loop's (keyed_dropout.current_rows), a row per sample of the batch."""
     # Copies: the loop refills its row tensors for the next micro-batch before this one's backward pass.
     return _BlockedKeyedAttention.apply(
         query, key, value, additive_mask, p, scale, rows.clone(), layer_key(step_key, key_term), block
@@ -46,11 +47,12 @@ def blocked_keyed_attention(
 def _block_scores(
     query: Tensor, key: Tensor, additive_mask: Tensor | None, scale: float, start: int, end: int
 ) -> Tensor:
-    """The scores of queries start:end before the softmax, in float32 at least (bfloat16 and float16 inputs)."""
-    scores = torch.matmul(query[:, :, start:end], key.transpose(-1, -2)).to(_accumulated(query)).mul_(scale)
+    """The scores of queries start:end before the softmax, rounded as the explicit attention rounds them (in the
+    inputs' and the mask's dtypes: a float16 mask's minimum then swamps the score), then in float32 at least."""
+    scores = torch.matmul(query[:, :, start:end], key.transpose(-1, -2)) * scale
     if additive_mask is not None:
-        scores += additive_mask[:, :, start:end] if additive_mask.shape[2] > 1 else additive_mask
-    return scores
+        scores = scores + (additive_mask[:, :, start:end] if additive_mask.shape[2] > 1 else additive_mask)
+    return scores.to(_accumulated(query))
 
 
 def _accumulated(tensor: Tensor) -> torch.dtype:
@@ -82,6 +84,7 @@ class _BlockedKeyedAttention(torch.autograd.Function):
         return output
 
     @staticmethod
+    @once_differentiable  # its backward is not itself differentiable: a second derivative is refused, not wrong
     def backward(ctx, grad_output):
         query, key, value, additive_mask, output, largest, total, rows, layer_step_key = ctx.saved_tensors
         p, scale, block = ctx.p, ctx.scale, ctx.block

@@ -61,7 +61,10 @@ def keyed_attention(
         return output.transpose(1, 2).contiguous(), None
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     keys = current_rows()
-    if query.shape[2] > 2 * BLOCK and keys is not None and len(keys[0]):  # see hydraloop.keyed_attention
+    # hydraloop.keyed_attention, for long sequences: a batch of the loop's rows (not one flattened into several rows
+    # a sample), and a mask that is not trained (the blocked attention gives it no gradient).
+    blocked = keys is not None and len(keys[0]) == query.shape[0] and query.shape[2] > 2 * BLOCK
+    if blocked and (attention_mask is None or not attention_mask.requires_grad):
         output = blocked_keyed_attention(
             query, key, value, attention_mask, dropout, scaling, *keys, module.keyed_dropout_key
         )
