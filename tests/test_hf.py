@@ -18,8 +18,6 @@ transformers = pytest.importorskip("transformers", reason="the hf extra (in dev)
 pytestmark = pytest.mark.slow
 
 # GPT-2's own dropout settings (0.1 on the embeddings, the attention weights and each residual branch): all keyed.
-# Sequences past 2 x hydraloop.keyed_attention.BLOCK: its attention runs a block of queries at a time (shorter ones,
-# explicitly, are the matrix's, test_matrix.py).
 TINY_GPT2 = [
     "data=text",
     "task=language_model",
@@ -28,8 +26,8 @@ TINY_GPT2 = [
     "+model.config.n_layer=1",
     "+model.config.n_embd=16",
     "+model.config.n_head=2",
-    "+model.config.n_positions=264",
-    "data.block_size=264",
+    "+model.config.n_positions=32",
+    "data.block_size=16",
     "data.batch_size=8",
     "trainer.max_steps=6",
     "logger=csv",
@@ -165,8 +163,8 @@ def test_sampling_is_seeded_and_keyed_attention_generates_as_transformers_own(si
     first, second = texts[0].stdout.split("\n---------------\n")
     assert first.startswith("ROMEO:") and len(first) == len("ROMEO:") + 20 and first != second
     assert texts[1].stdout == texts[0].stdout
-    too_long = subprocess.run([*command[:3], "--max-new-tokens", "270"], env=train_env, capture_output=True, text=True)
-    assert too_long.returncode == BAD_INPUT_EXIT_CODE and "more than the model's 264 positions" in too_long.stderr
+    too_long = subprocess.run([*command[:3], "--max-new-tokens", "40"], env=train_env, capture_output=True, text=True)
+    assert too_long.returncode == BAD_INPUT_EXIT_CODE and "more than the model's 32 positions" in too_long.stderr
     # Generation reads a cache of keys and values: the keyed attention must attend as transformers' sdpa does.
     checkpoint = single.checkpoint()
     prompt = torch.tensor([[5, 6, 7]])
