@@ -8,8 +8,8 @@ attention kernel where the device has one), one training step at a time.
 Per model: the median milliseconds of a forward and backward pass; the peak memory of one (CUDA's
 max_memory_allocated above the model's own; on the CPU, none); the largest tensor saved for the backward pass; and
 whether one of (batch, heads, T, T), a layer's attention weights or their mask, is saved: keyed dropout computes
-attention a block of queries at a time (hydraloop.keyed_attention) and must save none. scripts/gpu_check.py runs it at 2048 tokens;
-on the CPU, torch has no fused kernel with dropout and stores the weights itself.
+attention a block of queries at a time (hydraloop.keyed_attention) and must save none. scripts/gpu_check.py runs it
+at 2048 tokens; on the CPU, torch has no fused kernel with dropout and stores the weights itself.
 """
 
 import argparse

@@ -164,3 +164,22 @@ def test_no_device_sync_in_the_steady_state_step_on_cuda(train_in_process):
                 torch.cuda.set_sync_debug_mode(0)
             counts.append(sum("synchroniz" in str(warning.message) for warning in caught))
         assert counts[0] == counts[1], (precision, counts)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="on the CPU, short sequences take the explicit attention")
+def test_keyed_attention_dropout_saves_no_attention_weights_on_a_gpu_at_any_length():
+    """Where torch's attention with dropout would be fused (a GPU), keyed dropout computes attention a block of
+    queries at a time at any length: no (batch, heads, T, T) tensor is saved for the backward pass."""
+    pytest.importorskip("transformers", reason="the hf extra")
+    from hydraloop.keyed_dropout import RowKeys
+    from hydraloop.models.hf import hf_model
+
+    config = {"n_layer": 1, "n_embd": 32, "n_head": 4, "n_positions": 64, "attn_pdrop": 0.1}
+    model = hf_model(model_type="gpt2", config=config, vocab_size=50).to(DEVICE).train()
+    ids = torch.randint(0, 50, (2, 64), device=DEVICE)
+    shapes = []
+    hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t)
+    with hooks, RowKeys(seed=0, rank=0, world_size=1, device=torch.device(DEVICE))(step=1, first_row=0, rows=2):
+        loss = model(ids, labels=ids).loss
+    loss.backward()
+    assert (2, 4, 64, 64) not in shapes

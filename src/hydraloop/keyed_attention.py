@@ -9,8 +9,8 @@ each query's largest score and sum of exponentials, and the backward pass recomp
 mask from the keys, which are a function of (seed, step, layer, sample, head, query, key) and so come out the same.
 The largest tensor at any time is a block's weights, (batch, heads, block, T). It costs a second product of queries
 and keys, and a second hash of the mask, in the backward pass (on a CPU, at 1024 tokens, less than the explicit
-attention's traffic through the whole weights saves: docs/benchmarks.md); models/hf_keyed_dropout.py uses it for
-sequences longer than 2 x BLOCK.
+attention's traffic through the whole weights saves: docs/benchmarks.md); models/hf_keyed_dropout.py uses it on
+GPUs, and on the CPU for sequences longer than 2 x BLOCK.
 """
 
 import torch

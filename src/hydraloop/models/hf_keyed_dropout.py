@@ -6,9 +6,10 @@ model=hf's `keyed_dropout=true` (the default) replaces every nn.Dropout with hyd
 attention through `hydraloop_keyed`, an attention function whose dropout is keyed the same way
 (hydraloop.keyed_dropout): every strategy then trains the same weights. It computes attention with torch's
 scaled_dot_product_attention when no dropout applies (evaluation, or no attention dropout), and otherwise explicitly
-(softmax, then the keyed mask): for sequences past 2 x hydraloop.keyed_attention.BLOCK, a block of queries at a time,
-so that the (batch, heads, T, T) weights are never all held. A model that calls dropout as a function (OPT, BART,
-Whisper) has those calls keyed by their order in its forward pass (keyed_dropout.key_functional_dropout).
+(softmax, then the keyed mask): on a GPU, and for sequences past 2 x hydraloop.keyed_attention.BLOCK, a block of
+queries at a time, so that the (batch, heads, T, T) weights are never all held. A model that calls dropout as a
+function (OPT, BART, Whisper) has those calls keyed by their order in its forward pass
+(keyed_dropout.key_functional_dropout).
 """
 
 from typing import Any
@@ -61,9 +62,12 @@ def keyed_attention(
         return output.transpose(1, 2).contiguous(), None
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     keys = current_rows()
-    # hydraloop.keyed_attention, for long sequences: a batch of the loop's rows (not one flattened into several rows
-    # a sample), and a mask that is not trained (the blocked attention gives it no gradient).
-    blocked = keys is not None and len(keys[0]) == query.shape[0] and query.shape[2] > 2 * BLOCK
+    # hydraloop.keyed_attention: on a GPU, where torch's attention with dropout would be fused and store no weights,
+    # and for long sequences anywhere (on the CPU torch has no fused kernel with dropout: the explicit attention is
+    # what transformers' own model computes there, and cheaper for short ones). It takes a batch of the loop's rows
+    # (not one flattened into several rows a sample) and a mask that is not trained (it gives the mask no gradient).
+    long_or_fused = query.shape[2] > 2 * BLOCK or query.device.type == "cuda"
+    blocked = keys is not None and len(keys[0]) == query.shape[0] and long_or_fused
     if blocked and (attention_mask is None or not attention_mask.requires_grad):
         output = blocked_keyed_attention(
             query, key, value, attention_mask, dropout, scaling, *keys, module.keyed_dropout_key
