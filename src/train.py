@@ -16,7 +16,9 @@ gc.disable()
 import atexit
 import importlib
 import logging
+import signal
 import sys
+import time
 import traceback
 import warnings
 from collections.abc import Callable
@@ -52,8 +54,10 @@ from hydraloop.errors import (
 from hydraloop.loggers import JobInfo
 from hydraloop.parallel.cluster import export_submitit_rank_env
 from hydraloop.parallel.single import SingleDevice
+from hydraloop.parallel.spawned_ranks import count_threads_before_computing
 from hydraloop.parallel.sweep_share import take_machine_share
 from hydraloop.predict import predict
+from hydraloop.preemption import STOP_SIGNALS
 from hydraloop.rank_logging import FORMAT, JOB_LOG_ONLY, setup_rank_logging
 from hydraloop.resume import check_resumable, checkpoint_to_resume, finished_records
 from hydraloop.run_lock import owned_run_directory
@@ -63,8 +67,10 @@ from hydraloop.trial import first_call_named, named_option
 
 gc.freeze()
 gc.enable()
+count_threads_before_computing()  # parallel.start_method=auto forks ranks only from a process that has started none
 
 log = logging.getLogger("hydraloop.train")
+PEER_GONE_WAIT_S = 2.0
 register_configs()
 # conf/hydra/launcher/joblib.yaml replaces the joblib plugin's own option of that name (fixing n_jobs): Hydra then
 # validates it against the plugin's schema, as intended, and says at every composition that this will change.
@@ -90,6 +96,13 @@ def train(cfg: DictConfig, job: JobInfo) -> dict:
         if isinstance(cause, (ConfigError, TrainingDiverged, StorageError, Interrupted, WorkerFailed)):
             raise cause from None
         if peer_gone(error):  # the consequence of another rank's failure, which the launcher (or torchrun) names
+            # A rank that ended without a word (SIGKILL: the OOM killer) fails its peers' collectives at the instant
+            # it ends; a moment's wait lets the launcher see that rank end first and name it, not this one. The stop
+            # signal the launcher sends the other ranks then must not make this failure a stop: the rank would hand
+            # in a result nobody reads, and wait for its SIGKILL.
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, signal.SIG_IGN)
+            time.sleep(PEER_GONE_WAIT_S)
             raise WorkerFailed(f"a collective failed: another rank is gone ({first_line(error)})") from None
         log.exception("training failed")
         error.logged = True  # its traceback is in the log: the launcher of ranks run in this process says one line

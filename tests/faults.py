@@ -3,10 +3,12 @@
 Selected from the command line like any model, e.g. `model._target_=tests.faults.RaisingMLP +model.fail_rank=1`.
 """
 
+import atexit
 import math
 import os
 import signal
 import time
+from pathlib import Path
 
 import torch
 
@@ -291,3 +293,29 @@ def deaf_rank_signalling_its_launcher() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getppid(), signal.SIGTERM)
     time.sleep(60)
+
+
+def exp_on_two_threads() -> str:
+    """A rank's computation on two threads: in a rank forked from a process whose OpenMP pool had started, it would
+    wait forever on the pool's threads."""
+    torch.set_num_threads(2)
+    torch.randn(10**7).exp_()
+    return "computed"
+
+
+def record_at_exit(record: str, fail_rank: int) -> str:
+    """A rank that registers an exit handler writing its name into `record`; rank `fail_rank` then raises, while the
+    others wait for it in a collective, which fails."""
+    rank = int(os.environ["RANK"])
+
+    def write() -> None:
+        with Path(record).open("a") as file:
+            file.write(f"rank{rank} ")
+
+    atexit.register(write)
+    torch.distributed.init_process_group("gloo")
+    atexit.register(torch.distributed.destroy_process_group)
+    if rank == fail_rank:
+        raise RuntimeError(f"rank {rank} raised")
+    torch.distributed.barrier()
+    return "returned"

@@ -1,8 +1,8 @@
 """A process that has imported what src/train.py imports first (torch, torch._dynamo, Hydra: about half of a refused
 command's 3 s) and forks a child for each command it is sent, which runs src/train.py as `python src/train.py ARGS`
 would: its own process, its own arguments, working directory, output and exit code, atexit handlers run; ranks it
-starts are spawned afresh, as from the command line. conftest's `run_train` and `run_refused` send their commands here,
-since importing torch was most of a refused command's time and a third to a half of a short run's.
+starts are forked or spawned as from the command line. conftest's `run_train` and `run_refused` send their commands
+here, since importing torch was most of a refused command's time and a third to a half of a short run's.
 
 Protocol, one JSON line per command on stdin: {"args": [...], "cwd": ..., "output": path, "timeout": seconds or null};
 the reply, one line on stdout: {"returncode": N}, or {"timeout": true} for a command killed (as subprocess.run kills

@@ -48,6 +48,7 @@ ROWS = [
     (["data=synthetic", "data.input_shape=[0]"], "data.input_shape=[0]: must be positive sizes"),
     (["data=text", "data.block_size=-3"], "data.block_size=-3: must be positive"),  # the key given, not input_shape
     (["parallel=ddp", "parallel.timeout_s=0"], "parallel.timeout_s=0.0: must be a positive number of seconds"),
+    (["parallel=fsdp", "parallel.start_method=forkserver"], "parallel.start_method=forkserver: must be one of auto,"),
     # A warm-up in epochs longer than the run (a recipe's, or scheduler=cosine's default), as one in steps is.
     (["experiment=diabetes_mlp", "trainer.max_steps=2"], "a warm-up of 11 steps passes the run's 2 steps (11 per"),
     (["scheduler=cosine", "trainer.max_steps=4"], "scheduler.warmup_epochs=1.0: a warm-up of 22 steps passes the run"),

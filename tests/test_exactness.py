@@ -19,9 +19,10 @@ def single_2_epochs(run_train):
     return run
 
 
-@pytest.mark.fast  # the fast tier's one ddp-equals-single
-def test_ddp_two_ranks_matches_single(run_train, single_2_epochs):
-    ddp = run_train("parallel=ddp", "parallel.nproc_per_node=2", "trainer.max_epochs=2")
+@pytest.mark.fast  # the fast tier's one ddp-equals-single, with ranks forked (auto on the CPU) and spawned
+@pytest.mark.parametrize("start_method", ["auto", "spawn"])
+def test_ddp_two_ranks_matches_single(run_train, single_2_epochs, start_method):
+    ddp = run_train("parallel=ddp", f"parallel.start_method={start_method}", "trainer.max_epochs=2")
     assert ddp.returncode == 0, ddp.output
     assert ddp.metrics["world_size"] == 2
     assert ddp.metrics["global_step"] == single_2_epochs.metrics["global_step"]

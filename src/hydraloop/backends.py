@@ -2,6 +2,8 @@
 and the threads the rank computes with on the CPU."""
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -15,3 +17,16 @@ def configure_backends(*, deterministic: bool, tf32: bool, cudnn_benchmark: bool
     if deterministic:  # only when asked: the call itself costs ~1 s of imports
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS refuses determinism without it
         torch.use_deterministic_algorithms(True)
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Computations too small to need a pool of threads: the launcher's checks. torch's first op on several threads
+    starts an OpenMP pool that stays, and a process holding one cannot fork its ranks (parallel.start_method=auto):
+    a forked child's first parallel region would wait forever on threads it does not have."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -183,6 +183,11 @@ class ProcessGroupConfig:
     """Restart all ranks this many times after a failure; they continue from the run's checkpoints/last.pt."""
     shutdown_timeout_s: float = 60.0
     """On a stop signal, how long the ranks get to checkpoint and exit before they are killed."""
+    start_method: str = "auto"
+    """How this process starts its own ranks: spawn (fresh interpreters, each importing torch and the rest), fork
+    (copies of this one, which has imported everything: seconds sooner, on less than half the CPU), or auto: fork on
+    the CPU from a process that has started no thread since its imports, spawn otherwise (CUDA cannot be used in a
+    forked process, and a thread pool is not copied)."""
     sync_batchnorm: bool = False
     """Batch norm over the global batch (torch.nn.SyncBatchNorm on CUDA, hydraloop's GlobalBatchNorm on the CPU):
     a model with batch norm then trains to single-process training's numbers. false: each rank normalises with its

@@ -15,6 +15,7 @@ from torch.utils.data import default_collate
 
 from hydraloop.activation_checkpointing import checkpointed_classes
 from hydraloop.arguments import check_arguments, check_model, check_optimization
+from hydraloop.backends import one_thread
 from hydraloop.batches import count_rows
 from hydraloop.callbacks import build_callbacks
 from hydraloop.checks.config_values import check_config
@@ -26,6 +27,7 @@ from hydraloop.optim import check_optimizers, config_key, optimizer_nodes, sched
 log = logging.getLogger(__name__)
 
 
+@one_thread()
 def check_launch(cfg: Any, strategy: Any) -> Any:
     """Everything the launcher checks of a job's resolved config before any rank starts, but the run directory and
     the checkpoint to resume (which src/train.py checks once it owns the directory). Returns the task."""

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hydraloop.errors import ConfigError, WorkerFailed, first_line
 from hydraloop.parallel.single import SingleDevice, resolve_device
-from hydraloop.parallel.spawned_ranks import launch_ranks
+from hydraloop.parallel.spawned_ranks import START_METHODS, forkable, launch_ranks
 from hydraloop.sync_batchnorm import convert_sync_batchnorm
 
 T = TypeVar("T")
@@ -52,6 +52,7 @@ class DDPStrategy(SingleDevice):
         max_restarts: int = 0,
         shutdown_timeout_s: float = 60.0,
         sync_batchnorm: bool = False,
+        start_method: str = "auto",
     ) -> None:
         super().__init__(device)
         self.sync_batchnorm = sync_batchnorm
@@ -75,8 +76,16 @@ class DDPStrategy(SingleDevice):
                 f"parallel.backend=nccl: NCCL reduces CUDA tensors, and this run computes on the CPU ({where}); "
                 "parallel.backend=gloo reduces CPU tensors (null picks it on the CPU)"
             )
+        if start_method not in START_METHODS:
+            raise ConfigError(f"parallel.start_method={start_method}: must be one of {', '.join(START_METHODS)}")
+        if start_method == "fork" and use_cuda:
+            raise ConfigError(
+                f"parallel.start_method=fork with device={device}: CUDA cannot be used in a forked process; "
+                "spawn (or auto) starts the ranks afresh"
+            )
         self.max_restarts = max_restarts
         self.shutdown_timeout_s = shutdown_timeout_s
+        self.start_method = start_method
         given = [key for key in LAUNCHER_ENV if key in os.environ]
         self.launched_outside = len(given) == len(LAUNCHER_ENV)
         if given and not self.launched_outside:
@@ -119,7 +128,13 @@ class DDPStrategy(SingleDevice):
     def launch(self, worker: Callable[..., T], *args) -> T:
         if self.launched_outside:
             return worker(*args)
-        return launch_ranks(self.nproc_per_node, self.max_restarts, self.shutdown_timeout_s, worker, *args)
+        start_method = self.start_method
+        if start_method == "auto":
+            on_cpu = resolve_device(self.device_name).type == "cpu"
+            start_method = "fork" if on_cpu and forkable() else "spawn"
+        return launch_ranks(
+            self.nproc_per_node, self.max_restarts, self.shutdown_timeout_s, start_method, worker, *args
+        )
 
     def check(self, cfg: Any) -> None:
         super().check(cfg)

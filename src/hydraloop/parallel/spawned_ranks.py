@@ -1,13 +1,17 @@
-"""How parallel=ddp and fsdp start their own ranks, without torchrun: torch.distributed.elastic (`launch_ranks`), the
-first failed rank's error reported as the job's, and stop signals passed on to the ranks, which decide together what
+"""How parallel=ddp and fsdp start their own ranks, without torchrun: torch.distributed.elastic (`launch_ranks`),
+forked or spawned (parallel.start_method; `forkable` says when a fork is safe), the first failed rank's error reported
+as the job's, and stop signals passed on to the ranks, which decide together what
 they mean (hydraloop.preemption); a rank that stopped returns that as its result, not as a failure."""
 
+import atexit
 import logging
 import multiprocessing
+import multiprocessing.util
 import os
 import signal
 import threading
 import uuid
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -26,11 +30,52 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
+START_METHODS = ("auto", "fork", "spawn")
+
+
+def _threads() -> int | None:
+    """This process's threads, as Linux lists them; None elsewhere."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return None
+
+
+_threads_before_computing: int | None = None
+
+
+def count_threads_before_computing() -> None:
+    """Counts this process's threads once its imports are done and before it computes anything: what `forkable`
+    compares with. src/train.py calls it at its import, so that a process running several jobs (Hydra's multirun, a
+    joblib worker) counts before the first one. Importing torch leaves threads of its own (numpy's OpenBLAS pool,
+    which re-creates itself in a forked child); a process that never counted spawns its ranks."""
+    global _threads_before_computing
+    _threads_before_computing = _threads()
+
+
+def forkable() -> bool:
+    """Whether a fork of this process is whole: no thread started since `count_threads_before_computing`. Above all
+    no OpenMP pool, which a computation on several threads leaves behind (a job before this one in the same process):
+    a forked child's first parallel region would wait forever on threads it does not have."""
+    threads = _threads()
+    return None not in (threads, _threads_before_computing) and threads <= _threads_before_computing
+
+
+# The launcher's process id, in the launcher and in the ranks it forks (a spawned rank imports this module afresh).
+_forked_by: int | None = None
+
+
 def launch_ranks(
-    nproc_per_node: int, max_restarts: int, shutdown_timeout_s: float, worker: Callable[..., T], *args
+    nproc_per_node: int,
+    max_restarts: int,
+    shutdown_timeout_s: float,
+    start_method: str,
+    worker: Callable[..., T],
+    *args,
 ) -> T:
     """`worker(*args)` in `nproc_per_node` ranks that torch.distributed.elastic starts (hydraloop.parallel.ddp's
-    DDPStrategy says how), and rank 0's result; a rank's failure and a stop signal end as hydraloop's errors."""
+    DDPStrategy says how), and rank 0's result; a rank's failure and a stop signal end as hydraloop's errors.
+    `start_method`: spawn or fork (parallel.start_method, resolved)."""
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -40,11 +85,14 @@ def launch_ranks(
         rdzv_endpoint="localhost:0",  # port 0: the agent binds a free port and tells the workers
         max_restarts=max_restarts,
         monitor_interval=0.1,
-        start_method="spawn",
+        start_method=start_method,
         # What ends the ranks at once (Ctrl-C's SIGINT); the stop signals are passed on by passed_on_to_ranks.
         signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
         shutdown_timeout=int(shutdown_timeout_s),  # how long the ranks get to end on SIGINT before SIGKILL
     )
+    if start_method == "fork":
+        global _forked_by
+        _forked_by = os.getpid()
     # The agent reports each rank's failure with a full traceback; the worker has already logged it.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     with passed_on_to_ranks(shutdown_timeout_s) as passed_on:
@@ -110,9 +158,11 @@ class Stopped:
 
 
 def run_rank(worker: Callable[..., T], *args) -> T | Stopped:
-    """A spawned rank: `worker(*args)`. Before and after the training loop's own handling of stop signals
+    """A rank: `worker(*args)`. Before and after the training loop's own handling of stop signals
     (hydraloop.preemption.StopRequest), one ends the rank through Interrupted too (stop_at_once), not by the signal's
     default, which the agent would take for a failed rank."""
+    if _forked_by == os.getppid():
+        _start_as_a_spawned_rank()
     with stop_at_once():
         try:
             result = worker(*args)
@@ -124,6 +174,25 @@ def run_rank(worker: Callable[..., T], *args) -> T | Stopped:
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
         return result
+
+
+def _start_as_a_spawned_rank() -> None:
+    """A forked rank holds its launcher's signal handlers and exit handlers. It gets the signal defaults a spawned
+    rank starts with, which hydraloop.preemption builds on, and exit handlers of its own: the launcher's are the
+    launcher's to run (the weakref finalizers among them would delete its temporary folders), while the rank's own
+    (a logger's last row and status on failure, the process group's teardown) must run at its exit. A forked process
+    ends with os._exit, which skips atexit; multiprocessing runs its own finalizers then, after torch has recorded
+    the rank's result or error, and one of them now runs the rank's atexit handlers (atexit's private functions:
+    the module has no public way to run or clear them)."""
+    for sig in (*STOP_SIGNALS, signal.SIGHUP, signal.SIGQUIT, signal.SIGALRM):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    atexit._clear()
+    for finalizer in list(weakref.finalize._registry):  # type: ignore[attr-defined]
+        finalizer.atexit = False
+    atexit.register(weakref.finalize._exitfunc)  # type: ignore[attr-defined]
+    atexit.register(logging.shutdown)
+    multiprocessing.util.Finalize(None, atexit._run_exitfuncs, exitpriority=0)
 
 
 @contextmanager
@@ -143,7 +212,13 @@ def passed_on_to_ranks(shutdown_timeout_s: float) -> Iterator[StopRequest]:
         yield passed_on
         return
 
+    launcher = os.getpid()
+
     def pass_on(signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != launcher:  # a forked rank, before it set its own handlers: ended as a spawned one would be
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         ranks = multiprocessing.active_children()  # the agent starts the ranks as this process's children
         if not ranks:
             raise SignalException(f"got {signal.Signals(signum).name} with no rank running", signal.Signals(signum))
