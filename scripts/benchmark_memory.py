@@ -93,7 +93,9 @@ def measure(args) -> dict:
     sitecustomize.write_text(REPORT_PEAK)
     path = os.pathsep.join(filter(None, [str(sitecustomize.parent), str(REPO)]))
     env = {**os.environ, "PYTHONPATH": path, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    ranks = (f"parallel.nproc_per_node={args.ranks}",)
+    # Spawned, as on GPUs: a rank forked from the launcher (the CPU's default) would neither start from a fresh
+    # process's memory nor run the sitecustomize's exit handler, which is the launcher's.
+    ranks = (f"parallel.nproc_per_node={args.ranks}", "parallel.start_method=spawn")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for strategy in args.strategies:

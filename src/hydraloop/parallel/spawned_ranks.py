@@ -11,6 +11,7 @@ import os
 import signal
 import threading
 import uuid
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
@@ -19,6 +20,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TypeVar
 
+import torch
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -193,6 +195,12 @@ def _start_as_a_spawned_rank() -> None:
     atexit.register(weakref.finalize._exitfunc)  # type: ignore[attr-defined]
     atexit.register(logging.shutdown)
     multiprocessing.util.Finalize(None, atexit._run_exitfuncs, exitpriority=0)
+    # torch replaces the thread pool a fork copied (its threads are gone) at the pool's first use after the fork, and
+    # a second thread using it meanwhile finds none: autograd's threads, starting together at the first backward
+    # pass, abort the rank ("Invalid thread pool!"). Its first use is here, on this one thread.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Leaking Caffe2 thread-pool after fork")  # what it says it does
+        torch.set_num_threads(torch.get_num_threads())
 
 
 @contextmanager
