@@ -3,12 +3,10 @@
 Selected from the command line like any model, e.g. `model._target_=tests.faults.RaisingMLP +model.fail_rank=1`.
 """
 
-import atexit
 import math
 import os
 import signal
 import time
-from pathlib import Path
 
 import torch
 
@@ -285,37 +283,3 @@ class WaitingInFirstAttemptMLP(MLP):
                 while not os.path.exists(self.resume_file) and time.monotonic() < deadline:
                     time.sleep(0.05)
         return super().forward(x)
-
-
-def deaf_rank_signalling_its_launcher() -> None:
-    """A spawned rank (hydraloop.parallel.spawned_ranks.launch_ranks's worker) that cannot take a stop signal yet, as
-    one still importing its modules: SIGTERM's default handler, then a SIGTERM to its launcher, which passes it on."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getppid(), signal.SIGTERM)
-    time.sleep(60)
-
-
-def exp_on_two_threads() -> str:
-    """A rank's computation on two threads: in a rank forked from a process whose OpenMP pool had started, it would
-    wait forever on the pool's threads."""
-    torch.set_num_threads(2)
-    torch.randn(10**7).exp_()
-    return "computed"
-
-
-def record_at_exit(record: str, fail_rank: int) -> str:
-    """A rank that registers an exit handler writing its name into `record`; rank `fail_rank` then raises, while the
-    others wait for it in a collective, which fails."""
-    rank = int(os.environ["RANK"])
-
-    def write() -> None:
-        with Path(record).open("a") as file:
-            file.write(f"rank{rank} ")
-
-    atexit.register(write)
-    torch.distributed.init_process_group("gloo")
-    atexit.register(torch.distributed.destroy_process_group)
-    if rank == fail_rank:
-        raise RuntimeError(f"rank {rank} raised")
-    torch.distributed.barrier()
-    return "returned"

@@ -19,8 +19,8 @@ def single_2_epochs(run_train):
     return run
 
 
-@pytest.mark.fast  # the fast tier's one ddp-equals-single, with ranks forked (auto on the CPU) and spawned
-@pytest.mark.parametrize("start_method", ["auto", "spawn"])
+# The fast tier's one ddp-equals-single, with ranks forked (auto on the CPU); the whole suite spawns them too.
+@pytest.mark.parametrize("start_method", [pytest.param("auto", marks=pytest.mark.fast), "spawn"])
 def test_ddp_two_ranks_matches_single(run_train, single_2_epochs, start_method):
     ddp = run_train("parallel=ddp", f"parallel.start_method={start_method}", "trainer.max_epochs=2")
     assert ddp.returncode == 0, ddp.output

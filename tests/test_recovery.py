@@ -2,7 +2,6 @@
 run's result; a dead rank ends the job quickly with its last good checkpoint intact; a restarted job resumes."""
 
 import json
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -170,106 +169,6 @@ def test_a_stop_signal_in_the_last_logging_interval_lets_every_strategy_finish(
     rerun = run_train(*command, run_dir=run.run_dir)
     assert rerun.returncode == 0, rerun.output
     assert "finished at step 22; its records are left as they are" in rerun.output
-
-
-def _finish_then_get_a_stop_signal() -> None:
-    from hydraloop.parallel.spawned_ranks import run_rank
-
-    assert run_rank(int, 7) == 7
-    os.kill(os.getpid(), signal.SIGTERM)  # the launcher's signal, passed on after this rank's work was done
-
-
-def test_a_stop_signal_reaching_a_rank_that_finished_its_work_does_not_fail_it():
-    """The launcher passes a stop signal on asynchronously: a rank that has returned its result (while the others
-    finish the run) must still exit 0, or the agent reports a finished run as a failed rank (exit 1)."""
-    rank = multiprocessing.get_context("fork").Process(target=_finish_then_get_a_stop_signal)
-    rank.start()
-    rank.join(30)
-    assert rank.exitcode == 0
-
-
-def test_a_stop_signal_that_kills_a_rank_still_starting_is_a_stop_not_a_failure():
-    """A rank that cannot take the signal yet (still importing) is ended by its default handler: the launcher that
-    passed it on reports the stop (Interrupted, exit 128 + 15), not a failed rank."""
-    from faults import deaf_rank_signalling_its_launcher
-    from hydraloop.errors import Interrupted
-    from hydraloop.parallel.spawned_ranks import launch_ranks
-
-    with pytest.raises(Interrupted) as stop:
-        launch_ranks(1, 0, 30, "spawn", deaf_rank_signalling_its_launcher)
-    assert stop.value.signum == signal.SIGTERM and "rank 0 had not started training" in str(stop.value)
-
-
-LAUNCHER_WITH_A_POOL = """
-import torch
-from faults import exp_on_two_threads
-from hydraloop.parallel.ddp import DDPStrategy
-from hydraloop.parallel.spawned_ranks import count_threads_before_computing, forkable
-
-count_threads_before_computing()  # as src/train.py does once imported
-print(forkable())
-torch.set_num_threads(2)
-torch.randn(10**7).exp_()  # starts OpenMP's pool of threads in this process
-print(forkable())
-print(DDPStrategy(device="cpu", nproc_per_node=2).launch(exp_on_two_threads))
-"""
-
-
-def test_a_launcher_whose_thread_pool_has_started_spawns_its_ranks(train_env):
-    """parallel.start_method=auto forks ranks on the CPU, but not from a process that has computed on several threads
-    (a job before this one in a sweep's process): a forked rank's first op on several threads would wait forever on
-    the pool's threads, which a fork does not copy. It spawns them, and they compute."""
-    proc = subprocess.run(
-        [sys.executable, "-c", LAUNCHER_WITH_A_POOL],
-        cwd=Path(__file__).parent,
-        env=train_env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0 and proc.stdout.split() == ["True", "False", "computed"], proc.stdout + proc.stderr
-
-
-LAUNCHER_OF_FORKED_RANKS = """
-import atexit, sys, tempfile
-from pathlib import Path
-from faults import record_at_exit
-from hydraloop.errors import WorkerFailed
-from hydraloop.parallel.spawned_ranks import launch_ranks
-
-record = Path(sys.argv[1])
-folder = tempfile.TemporaryDirectory()  # removed at the launcher's exit: by a weakref finalizer, which ranks inherit
-atexit.register(lambda: record.open("a").write("launcher "))
-launch_ranks(2, 0, 30, "fork", record_at_exit, str(record), -1)
-print(sorted(record.read_text().split()))
-try:
-    launch_ranks(2, 0, 30, "fork", record_at_exit, str(record), 1)
-except WorkerFailed as failed:
-    print(failed)
-print(Path(folder.name).is_dir(), sorted(record.read_text().split()))
-"""
-
-
-def test_forked_ranks_run_their_own_exit_handlers_and_not_their_launchers(train_env, tmp_path):
-    """A forked process ends with os._exit, past atexit: a rank's own handlers (CSVLogger's last row and MLflow's
-    FAILED status when it raises, the process group's teardown) still run, once its result or error is on record;
-    the launcher's, which it inherits, do not (a temporary folder of the launcher's would be deleted)."""
-    record = tmp_path / "exits"
-    proc = subprocess.run(
-        [sys.executable, "-c", LAUNCHER_OF_FORKED_RANKS, str(record)],
-        cwd=Path(__file__).parent,
-        env=train_env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    returned, failed, raised = proc.stdout.splitlines()
-    assert returned == "['rank0', 'rank1']"
-    assert failed.startswith("rank 1 failed (exit code 1): RuntimeError: rank 1 raised")
-    # While the launcher runs: the ranks' handlers only, and its folder kept
-    assert raised == "True ['rank0', 'rank0', 'rank1', 'rank1']"
-    assert sorted(record.read_text().split()) == ["launcher", "rank0", "rank0", "rank1", "rank1"]
 
 
 def test_elastic_torchrun_loses_a_node_and_finishes_alone_as_single_does(tmp_path, train_env, uninterrupted_1_epoch):
