@@ -52,23 +52,42 @@ print(forkable())
 torch.set_num_threads(2)
 torch.randn(10**7).exp_()  # starts OpenMP's pool of threads in this process
 print(forkable())
-print(DDPStrategy(device="cpu", nproc_per_node=2).launch(exp_on_two_threads))
+print(DDPStrategy(device="cpu", nproc_per_node=2, start_method="fork").launch(exp_on_two_threads))
+"""
+
+FORK_SERVER = """
+import multiprocessing.forkserver
+from hydraloop.parallel.spawned_ranks import count_threads_before_computing, forkable
+
+count_threads_before_computing()
+multiprocessing.forkserver.ensure_running()  # as a data loader with workers starts it
+print(forkable())
 """
 
 
-def test_a_launcher_whose_thread_pool_has_started_spawns_its_ranks(train_env):
-    """parallel.start_method=auto forks ranks on the CPU, but not from a process that has computed on several threads
-    (a job before this one in a sweep's process): a forked rank's first op on several threads would wait forever on
-    the pool's threads, which a fork does not copy. It spawns them, and they compute."""
-    proc = subprocess.run(
-        [sys.executable, "-c", LAUNCHER_WITH_A_POOL],
-        cwd=Path(__file__).parent,
-        env=train_env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0 and proc.stdout.split() == ["True", "False", "computed"], proc.stdout + proc.stderr
+def test_a_launcher_that_started_a_thread_pool_or_a_fork_server_spawns_its_ranks(train_env):
+    """Ranks are forked on the CPU, but not from a process that has computed on several threads (a job before this
+    one in a sweep's process): a forked rank's first op on several threads would wait forever on the pool's threads,
+    which a fork does not copy. It spawns them, saying so where fork was asked for, and they compute. Nor from one
+    that started a multiprocessing fork server, which a forked rank's data loader would ask for processes that are
+    not its children."""
+
+    def run(script: str) -> list[str]:
+        proc = subprocess.run(
+            [sys.executable, "-c", script],
+            cwd=Path(__file__).parent,
+            env=train_env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout.splitlines() + proc.stderr.splitlines()
+
+    before, after, *said = run(LAUNCHER_WITH_A_POOL)
+    assert before == "None" and after.startswith("this process has started") and "computed" in said
+    assert any("parallel.start_method=fork: the ranks are spawned instead, as this process" in line for line in said)
+    assert run(FORK_SERVER) == ["this process has started a multiprocessing fork server"]
 
 
 LAUNCHER_OF_FORKED_RANKS = """
@@ -80,7 +99,7 @@ from hydraloop.parallel.spawned_ranks import launch_ranks
 
 record = Path(sys.argv[1])
 folder = tempfile.TemporaryDirectory()  # removed at the launcher's exit: by a weakref finalizer, which ranks inherit
-atexit.register(lambda: record.open("a").write("launcher "))
+atexit.register(lambda: record.open("a").write("import "))  # as an imported module registers one
 launch_ranks(2, 0, 30, "fork", record_at_exit, str(record), -1)
 print(sorted(record.read_text().split()))
 try:
@@ -91,10 +110,11 @@ print(Path(folder.name).is_dir(), sorted(record.read_text().split()))
 """
 
 
-def test_forked_ranks_run_their_own_exit_handlers_and_not_their_launchers(train_env, tmp_path):
-    """A forked process ends with os._exit, past atexit: a rank's own handlers (CSVLogger's last row and MLflow's
-    FAILED status when it raises, the process group's teardown) still run, once its result or error is on record;
-    the launcher's, which it inherits, do not (a temporary folder of the launcher's would be deleted)."""
+def test_forked_ranks_run_the_exit_handlers_a_spawned_rank_would(train_env, tmp_path):
+    """A forked process ends with os._exit, past atexit. A forked rank still runs, once its result or error is on
+    record, its own handlers (CSVLogger's last row and MLflow's FAILED status when it raises, the process group's
+    teardown) and those it inherited, which its launcher's imports registered, as a spawned rank's imports register
+    them (torch's, a user module's); not the launcher's weakref finalizers (its temporary folder would be deleted)."""
     record = tmp_path / "exits"
     proc = subprocess.run(
         [sys.executable, "-c", LAUNCHER_OF_FORKED_RANKS, str(record)],
@@ -106,8 +126,7 @@ def test_forked_ranks_run_their_own_exit_handlers_and_not_their_launchers(train_
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     returned, failed, raised = proc.stdout.splitlines()
-    assert returned == "['rank0', 'rank1']"
+    assert returned == "['import', 'import', 'rank0', 'rank1']"
     assert failed.startswith("rank 1 failed (exit code 1): RuntimeError: rank 1 raised")
-    # While the launcher runs: the ranks' handlers only, and its folder kept
-    assert raised == "True ['rank0', 'rank0', 'rank1', 'rank1']"
-    assert sorted(record.read_text().split()) == ["launcher", "rank0", "rank0", "rank1", "rank1"]
+    assert raised == "True ['import', 'import', 'import', 'import', 'rank0', 'rank0', 'rank1', 'rank1']"
+    assert sorted(record.read_text().split()).count("import") == 5  # and the launcher's own, at its exit

@@ -67,7 +67,6 @@ def test_killed_rank_ends_the_job_within_seconds_and_keeps_the_last_checkpoint(r
     started = time.monotonic()
     run = run_train(
         "parallel=ddp",
-        "parallel.start_method=fork",  # auto spawns from a launcher that has just built the data cache (scipy's pool)
         "trainer.max_epochs=3",
         "logger=none",
         "model._target_=tests.faults.KilledMLP",

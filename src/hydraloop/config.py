@@ -184,10 +184,10 @@ class ProcessGroupConfig:
     shutdown_timeout_s: float = 60.0
     """On a stop signal, how long the ranks get to checkpoint and exit before they are killed."""
     start_method: str = "auto"
-    """How this process starts its own ranks: spawn (fresh interpreters, each importing torch and the rest), fork
-    (copies of this one, which has imported everything: seconds sooner, on less than half the CPU), or auto: fork on
-    the CPU from a process that has started no thread since its imports, spawn otherwise (CUDA cannot be used in a
-    forked process, and a thread pool is not copied)."""
+    """How this process starts its own ranks: spawn (fresh interpreters, each importing torch and the rest), or auto
+    (and fork): on the CPU, copies of this one, which has imported everything (seconds sooner, on less than half the
+    CPU); spawned on GPUs (CUDA cannot be used in a forked process) and where a fork would not be whole (a thread or
+    a multiprocessing fork server started since the imports). fork says so when it spawns."""
     sync_batchnorm: bool = False
     """Batch norm over the global batch (torch.nn.SyncBatchNorm on CUDA, hydraloop's GlobalBatchNorm on the CPU):
     a model with batch norm then trains to single-process training's numbers. false: each rank normalises with its

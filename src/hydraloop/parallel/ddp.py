@@ -129,9 +129,13 @@ class DDPStrategy(SingleDevice):
         if self.launched_outside:
             return worker(*args)
         start_method = self.start_method
-        if start_method == "auto":
-            on_cpu = resolve_device(self.device_name).type == "cpu"
-            start_method = "fork" if on_cpu and forkable() else "spawn"
+        if start_method != "spawn" and resolve_device(self.device_name).type == "cpu":
+            unsafe = forkable()
+            if unsafe and start_method == "fork":
+                log.warning("parallel.start_method=fork: the ranks are spawned instead, as %s", unsafe)
+            start_method = "spawn" if unsafe else "fork"
+        else:
+            start_method = "spawn"
         return launch_ranks(
             self.nproc_per_node, self.max_restarts, self.shutdown_timeout_s, start_method, worker, *args
         )

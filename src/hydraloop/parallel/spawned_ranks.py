@@ -6,6 +6,7 @@ they mean (hydraloop.preemption); a rank that stopped returns that as its result
 import atexit
 import logging
 import multiprocessing
+import multiprocessing.forkserver
 import multiprocessing.util
 import os
 import signal
@@ -55,12 +56,21 @@ def count_threads_before_computing() -> None:
     _threads_before_computing = _threads()
 
 
-def forkable() -> bool:
-    """Whether a fork of this process is whole: no thread started since `count_threads_before_computing`. Above all
-    no OpenMP pool, which a computation on several threads leaves behind (a job before this one in the same process):
-    a forked child's first parallel region would wait forever on threads it does not have."""
+def forkable() -> str | None:
+    """Why a fork of this process would not be whole, or None where it would: no thread started since
+    `count_threads_before_computing` (above all no OpenMP pool, which a computation on several threads leaves behind:
+    a forked child's first parallel region would wait forever on threads it does not have) and no multiprocessing
+    fork server of its own (a data loader's with workers: the fork's loaders would ask it for processes that are not
+    their children). Either comes from an earlier job in the same process (a sweep's)."""
     threads = _threads()
-    return None not in (threads, _threads_before_computing) and threads <= _threads_before_computing
+    if threads is None or _threads_before_computing is None:
+        return "this system does not list a process's threads"
+    if threads > _threads_before_computing:
+        return f"this process has started {threads - _threads_before_computing} threads since its imports"
+    fork_server = getattr(multiprocessing.forkserver, "_forkserver", None)  # private: multiprocessing says no more
+    if getattr(fork_server, "_forkserver_pid", None) is not None:
+        return "this process has started a multiprocessing fork server"
+    return None
 
 
 # The launcher's process id, in the launcher and in the ranks it forks (a spawned rank imports this module afresh).
@@ -179,21 +189,18 @@ def run_rank(worker: Callable[..., T], *args) -> T | Stopped:
 
 
 def _start_as_a_spawned_rank() -> None:
-    """A forked rank holds its launcher's signal handlers and exit handlers. It gets the signal defaults a spawned
-    rank starts with, which hydraloop.preemption builds on, and exit handlers of its own: the launcher's are the
-    launcher's to run (the weakref finalizers among them would delete its temporary folders), while the rank's own
-    (a logger's last row and status on failure, the process group's teardown) must run at its exit. A forked process
-    ends with os._exit, which skips atexit; multiprocessing runs its own finalizers then, after torch has recorded
-    the rank's result or error, and one of them now runs the rank's atexit handlers (atexit's private functions:
-    the module has no public way to run or clear them)."""
+    """A forked rank holds its launcher's signal handlers: it gets the defaults a spawned rank starts with, which
+    hydraloop.preemption builds on. It holds its launcher's exit handlers too, most of them registered as modules were
+    imported (torch's, a user's module's), as a spawned rank registers them: they run at its exit, with its own (a
+    logger's last row and status on failure, the process group's teardown). A forked process ends with os._exit,
+    which skips atexit; multiprocessing runs its own finalizers then, after torch has recorded the rank's result or
+    error, and one of them now runs atexit's handlers (through a private function: the module has no public one).
+    The launcher's weakref finalizers are its own objects' (a temporary folder) and stay its own."""
     for sig in (*STOP_SIGNALS, signal.SIGHUP, signal.SIGQUIT, signal.SIGALRM):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    atexit._clear()
     for finalizer in list(weakref.finalize._registry):  # type: ignore[attr-defined]
         finalizer.atexit = False
-    atexit.register(weakref.finalize._exitfunc)  # type: ignore[attr-defined]
-    atexit.register(logging.shutdown)
     multiprocessing.util.Finalize(None, atexit._run_exitfuncs, exitpriority=0)
     # torch replaces the thread pool a fork copied (its threads are gone) at the pool's first use after the fork, and
     # a second thread using it meanwhile finds none: autograd's threads, starting together at the first backward
