@@ -1,7 +1,7 @@
 """How parallel=ddp and fsdp start their own ranks, without torchrun: torch.distributed.elastic (`launch_ranks`),
-forked or spawned (parallel.start_method; `forkable` says when a fork is safe), the first failed rank's error reported
-as the job's, and stop signals passed on to the ranks, which decide together what
-they mean (hydraloop.preemption); a rank that stopped returns that as its result, not as a failure."""
+forked or spawned (parallel.start_method; `forkable` says when a fork is whole), the first failed rank's error
+reported as the job's, and stop signals passed on to the ranks, which decide together what they mean
+(hydraloop.preemption); a rank that stopped returns that as its result, not as a failure."""
 
 import atexit
 import logging
