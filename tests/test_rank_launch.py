@@ -41,6 +41,20 @@ def test_a_stop_signal_that_kills_a_rank_still_starting_is_a_stop_not_a_failure(
     assert stop.value.signum == signal.SIGTERM and "rank 0 had not started training" in str(stop.value)
 
 
+def run_launcher(env: dict[str, str], script: str, *args: str) -> list[str]:
+    """`python -c script args` in tests/, as a launcher of ranks: its output lines (stdout, then stderr); exit 0."""
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        cwd=Path(__file__).parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout.splitlines() + proc.stderr.splitlines()
+
+
 LAUNCHER_WITH_A_POOL = """
 import torch
 from rank_workers import exp_on_two_threads
@@ -72,22 +86,10 @@ def test_a_launcher_that_started_a_thread_pool_or_a_fork_server_spawns_its_ranks
     that started a multiprocessing fork server, which a forked rank's data loader would ask for processes that are
     not its children."""
 
-    def run(script: str) -> list[str]:
-        proc = subprocess.run(
-            [sys.executable, "-c", script],
-            cwd=Path(__file__).parent,
-            env=train_env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        return proc.stdout.splitlines() + proc.stderr.splitlines()
-
-    before, after, *said = run(LAUNCHER_WITH_A_POOL)
+    before, after, *said = run_launcher(train_env, LAUNCHER_WITH_A_POOL)
     assert before == "None" and after.startswith("this process has started") and "computed" in said
     assert any("parallel.start_method=fork: the ranks are spawned instead, as this process" in line for line in said)
-    assert run(FORK_SERVER) == ["this process has started a multiprocessing fork server"]
+    assert run_launcher(train_env, FORK_SERVER) == ["this process has started a multiprocessing fork server"]
 
 
 LAUNCHER_OF_FORKED_RANKS = """
@@ -116,16 +118,7 @@ def test_forked_ranks_run_the_exit_handlers_a_spawned_rank_would(train_env, tmp_
     teardown) and those it inherited, which its launcher's imports registered, as a spawned rank's imports register
     them (torch's, a user module's); not the launcher's weakref finalizers (its temporary folder would be deleted)."""
     record = tmp_path / "exits"
-    proc = subprocess.run(
-        [sys.executable, "-c", LAUNCHER_OF_FORKED_RANKS, str(record)],
-        cwd=Path(__file__).parent,
-        env=train_env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    returned, failed, raised = proc.stdout.splitlines()
+    returned, failed, raised, *_ = run_launcher(train_env, LAUNCHER_OF_FORKED_RANKS, str(record))  # then stderr
     assert returned == "['import', 'import', 'rank0', 'rank1']"
     assert failed.startswith("rank 1 failed (exit code 1): RuntimeError: rank 1 raised")
     assert raised == "True ['import', 'import', 'import', 'import', 'rank0', 'rank0', 'rank1', 'rank1']"
