@@ -26,8 +26,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from hydraloop.keyed_dropout import RowKeys  # noqa: E402
 from hydraloop.models.hf import hf_model  # noqa: E402
+from hydraloop.row_keys import RowKeys  # noqa: E402
 
 VOCAB = 512
 

@@ -171,8 +171,8 @@ def test_keyed_attention_dropout_saves_no_attention_weights_on_a_gpu_at_any_leng
     """Where torch's attention with dropout would be fused (a GPU), keyed dropout computes attention a block of
     queries at a time at any length: no (batch, heads, T, T) tensor is saved for the backward pass."""
     pytest.importorskip("transformers", reason="the hf extra")
-    from hydraloop.keyed_dropout import RowKeys
     from hydraloop.models.hf import hf_model
+    from hydraloop.row_keys import RowKeys
 
     config = {"n_layer": 1, "n_embd": 32, "n_head": 4, "n_positions": 64, "attn_pdrop": 0.1}
     model = hf_model(model_type="gpt2", config=config, vocab_size=50).to(DEVICE).train()

@@ -107,8 +107,8 @@ def test_recomputed_layers_give_the_gradients_of_one_forward_pass(name):
     recompute each layer in the backward pass, where the loop has set no rows (the keyed masks, and the count of
     functional dropout calls, must be the forward's) and a cache of keys and values would grow a second time."""
     from hydraloop.activation_checkpointing import checkpoint_activations, checkpointed_classes
-    from hydraloop.keyed_dropout import RowKeys
     from hydraloop.models.hf import hf_model
+    from hydraloop.row_keys import RowKeys
 
     auto_class, model_type, config = RECOMPUTED[name]
     ids = torch.randint(1, 50, (4, 16), generator=torch.Generator().manual_seed(0))

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from hydraloop.keyed_attention import BLOCK, blocked_keyed_attention
-from hydraloop.keyed_dropout import RowKeys, current_rows, keyed_dropout, mix_int
+from hydraloop.keyed_dropout import keyed_dropout
+from hydraloop.row_keys import RowKeys, current_rows, mix_int
 
 CPU = torch.device("cpu")
 

@@ -6,8 +6,9 @@ from torch import nn
 
 from conftest import max_param_diff
 from hydraloop.activation_checkpointing import checkpoint_activations
-from hydraloop.keyed_dropout import KeyedDropout, RowKeys, key_functional_dropout
+from hydraloop.keyed_dropout import KeyedDropout, key_functional_dropout
 from hydraloop.parallel.dataparallel import keyed_replicas
+from hydraloop.row_keys import RowKeys
 
 CPU = torch.device("cpu")
 

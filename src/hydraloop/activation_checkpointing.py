@@ -6,7 +6,7 @@ Applied through PyTorch's composable `checkpoint` (hooks; the module tree, its n
 they are), before a strategy wraps the model, under every strategy: FSDP gathers a unit's parameters again for its
 recomputation, as for its backward. The recomputation draws the dropout masks the forward drew: plain nn.Dropout
 through the generator state the checkpoint restores, keyed dropout because the recomputation sees the rows, step and
-functional dropout calls the forward saw (keyed_dropout.same_masks_in_recompute: the training loop sets them only
+functional dropout calls the forward saw (row_keys.same_masks_in_recompute: the training loop sets them only
 around the forward, and the backward comes later). A Hugging Face model keeps no key/value cache in training
 (models/hf.py), which a recomputation would append to a second time.
 """
@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed._composable import checkpoint
 
 from hydraloop.errors import ConfigError
-from hydraloop.keyed_dropout import same_masks_in_recompute
+from hydraloop.row_keys import same_masks_in_recompute
 
 
 def checkpointed_classes(setting: Any, model: nn.Module) -> list[str]:

@@ -17,7 +17,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from hydraloop.keyed_dropout import keep_mask, layer_key
+from hydraloop.keyed_dropout import keep_mask, keep_scale
+from hydraloop.row_keys import layer_key
 
 BLOCK = 128  # queries per block
 
@@ -37,7 +38,7 @@ def blocked_keyed_attention(
     """softmax(query @ key^T * scale + additive_mask), its elements dropped by keyed masks with probability `p`,
     times value: (batch, heads, T_query, head_dim), as `keyed_dropout(softmax(...), p, key_term) @ value` computes
     it, to round-off. `additive_mask` broadcasts to (batch, heads, T_query, T_key) and gets no gradient; `rows` and
-    `step_key` are the loop's (keyed_dropout.current_rows), a row per sample of the batch."""
+    `step_key` are the loop's (hydraloop.row_keys.current_rows), a row per sample of the batch."""
     # Copies: the loop refills its row tensors for the next micro-batch before this one's backward pass.
     return _BlockedKeyedAttention.apply(
         query, key, value, additive_mask, p, scale, rows.clone(), layer_key(step_key, key_term), block
@@ -77,7 +78,7 @@ class _BlockedKeyedAttention(torch.autograd.Function):
             total[:, :, start:end] = weights.sum(dim=-1, keepdim=True)
             weights /= total[:, :, start:end]
             kept = keep_mask(weights.shape, p, rows, layer_step_key, first=start)
-            weights = torch.where(kept, weights, 0.0).mul_(1.0 / (1.0 - p)).to(value.dtype)
+            weights = torch.where(kept, weights, 0.0).mul_(keep_scale(p)).to(value.dtype)
             output[:, :, start:end] = torch.matmul(weights, value)
         ctx.save_for_backward(query, key, value, additive_mask, output, largest, total, rows, layer_step_key)
         ctx.p, ctx.scale, ctx.block = p, scale, block
@@ -99,11 +100,11 @@ class _BlockedKeyedAttention(torch.autograd.Function):
             weights = _block_scores(query, key, additive_mask, scale, start, end)
             weights = weights.sub_(largest[:, :, start:end]).exp_().div_(total[:, :, start:end])
             kept = keep_mask(weights.shape, p, rows, layer_step_key, first=start)
-            dropped = torch.where(kept, weights, 0.0).mul_(1.0 / (1.0 - p))
+            dropped = torch.where(kept, weights, 0.0).mul_(keep_scale(p))
             block_grad = grad_output[:, :, start:end]
             grad_value += torch.matmul(dropped.transpose(-1, -2).to(value.dtype), block_grad).to(accumulated)
             grad_dropped = torch.matmul(block_grad, value.transpose(-1, -2)).to(accumulated)
-            grad_weights = torch.where(kept, grad_dropped, 0.0).mul_(1.0 / (1.0 - p))
+            grad_weights = torch.where(kept, grad_dropped, 0.0).mul_(keep_scale(p))
             grad_scores = weights.mul_(grad_weights.sub_(delta[:, :, start:end])).mul_(scale).to(query.dtype)
             grad_query[:, :, start:end] = torch.matmul(grad_scores, key)
             grad_key += torch.matmul(grad_scores.transpose(-1, -2), query[:, :, start:end]).to(accumulated)

@@ -28,8 +28,8 @@ from torch import Tensor, nn
 
 from hydraloop.errors import ConfigError, first_line, require
 from hydraloop.huggingface import import_transformers, is_local_path, load_tokenizer
-from hydraloop.keyed_dropout import same_masks_in_recompute
 from hydraloop.models.hf_keyed_dropout import KEYED_ATTENTION, register_keyed_attention, use_keyed_dropout
+from hydraloop.row_keys import same_masks_in_recompute
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # what from_pretrained reads (either may be sharded)
 log = logging.getLogger(__name__)

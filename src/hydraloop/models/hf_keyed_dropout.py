@@ -18,7 +18,8 @@ import torch
 from torch import Tensor, nn
 
 from hydraloop.keyed_attention import BLOCK, blocked_keyed_attention
-from hydraloop.keyed_dropout import KeyedDropout, current_rows, key_functional_dropout, keyed_dropout, mix_int
+from hydraloop.keyed_dropout import KeyedDropout, key_functional_dropout, keyed_dropout
+from hydraloop.row_keys import current_rows, mix_int
 
 KEYED_ATTENTION = "hydraloop_keyed"
 

@@ -10,9 +10,9 @@ from torch import nn
 
 from hydraloop.batches import count_rows, tensors
 from hydraloop.errors import ConfigError
-from hydraloop.keyed_dropout import current_rows, rows_of
 from hydraloop.optim import optimizer_nodes, part_modules
 from hydraloop.parallel.single import SingleDevice, resolve_device
+from hydraloop.row_keys import current_rows, rows_of
 
 log = logging.getLogger(__name__)
 
