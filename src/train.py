@@ -62,6 +62,7 @@ from hydraloop.rank_logging import FORMAT, JOB_LOG_ONLY, setup_rank_logging
 from hydraloop.resume import check_resumable, checkpoint_to_resume, finished_records
 from hydraloop.run_lock import owned_run_directory
 from hydraloop.run_records import held_until_accepted, holds_training_run
+from hydraloop.seeding import seeded_build
 from hydraloop.trainer import Trainer
 from hydraloop.trial import first_call_named, named_option
 
@@ -125,7 +126,7 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice, job: JobInfo) -> dict
         cudnn_benchmark=cfg.trainer.cudnn_benchmark,
         cpu_threads=cfg.trainer.cpu_threads,
     )
-    task = instantiate(cfg.task)
+    task = seeded_build(cfg.task, cfg.seed)
     if cfg.mode == "predict":
         return predict(cfg, strategy, task)
     run = build_run_parts(cfg, strategy, job, task)

@@ -28,7 +28,7 @@ from hydraloop.preemption import StopRequest
 from hydraloop.restore import load_weights, restore, train_state
 from hydraloop.resume import checkpoint_to_resume, is_own
 from hydraloop.run_writer import NullRunWriter, RunWriter
-from hydraloop.seeding import seed_everything
+from hydraloop.seeding import seeded_build
 from hydraloop.tasks.base import Task
 from hydraloop.trainer import Trainer
 
@@ -55,7 +55,7 @@ def build_run_parts(cfg: DictConfig, strategy: SingleDevice, job: JobInfo, task:
     """Builds data, model, optimizers, the checkpoint's state and the run writer from the config, for mode=train or
     mode=eval, on this rank."""
     task.extra_metrics = MetricSet(cfg.metrics, strategy.device)
-    train_set, val_set = instantiate(cfg.data.dataset)
+    train_set, val_set = seeded_build(cfg.data.dataset, cfg.seed)
     task.check_sample(train_set[0], f"data.dataset._target_={cfg.data.dataset._target_}")
     train_loader, val_loader = build_loaders(
         train_set,
@@ -75,8 +75,8 @@ def build_run_parts(cfg: DictConfig, strategy: SingleDevice, job: JobInfo, task:
         limit_train_samples=cfg.trainer.limit_train_samples,
     )
 
-    seed_everything(cfg.seed)  # the same on every rank: DDP starts from the weights single-process starts from
-    model = strategy.build(lambda: instantiate(cfg.model))
+    # Seeded alike on every rank: DDP starts from the weights single-process starts from.
+    model = strategy.build(lambda: seeded_build(cfg.model, cfg.seed))
     num_params = sum(p.numel() for p in model.parameters())  # before a strategy shards it
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log.info("model %s: %s parameters (%s trainable)", type(model).__name__, f"{num_params:,}", f"{trainable:,}")

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from hydraloop.checkpoint import TrainState
 from hydraloop.data.samplers import GlobalBatchSampler
+from hydraloop.draw_watch import DrawWatch
 from hydraloop.errors import TrainingDiverged
 from hydraloop.parallel.single import SingleDevice
 from hydraloop.preemption import STOP_SIGNALS, StopRequest
@@ -86,20 +87,23 @@ class GlobalSums:
     """Sums of step losses over all ranks, over the world size: each rank's step loss is its share of the global
     batch's mean loss times the world size (hydraloop.step), so these are sums of the global batches' means.
 
-    The same all-reduce counts the ranks that got each stop signal: all ranks learn of a stop at the same step.
+    The same all-reduce counts the ranks that got each stop signal: all ranks learn of a stop at the same step; and
+    the ranks that drew from torch's generators in a pass over a split batch (hydraloop.draw_watch).
     """
 
-    def __init__(self, strategy: SingleDevice, stop_request: StopRequest) -> None:
-        self.strategy, self.stop_request = strategy, stop_request
+    def __init__(self, strategy: SingleDevice, stop_request: StopRequest, draw_watch: DrawWatch) -> None:
+        self.strategy, self.stop_request, self.draw_watch = strategy, stop_request, draw_watch
         self.stop_signum = 0  # the stop signal all ranks agreed on at the last reduction
 
     def __call__(self, *loss_sums: Tensor) -> list[float]:
         count = len(loss_sums)
         votes = [float(self.stop_request.signum == signum) for signum in STOP_SIGNALS]
-        reduced = torch.tensor([0.0] * count + votes, dtype=torch.float64, device=loss_sums[0].device)
+        flags = [*votes, self.draw_watch.flag()]
+        reduced = torch.tensor([0.0] * count + flags, dtype=torch.float64, device=loss_sums[0].device)
         reduced[:count] = torch.stack([loss_sum.detach() for loss_sum in loss_sums])
         reduced = self.strategy.all_reduce(reduced).tolist()
-        self.stop_signum = next((signum for signum, n in zip(STOP_SIGNALS, reduced[count:]) if n), 0)
+        self.stop_signum = next((signum for signum, n in zip(STOP_SIGNALS, reduced[count:-1]) if n), 0)
+        self.draw_watch.reduced(reduced[-1])
         return [total / self.strategy.world_size for total in reduced[:count]]
 
 

@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from hydra.utils import instantiate
 from torch.utils.data import DataLoader, Dataset
 
 from hydraloop.batches import check_leaves, count_rows, map_tensors, to_device
@@ -30,6 +29,7 @@ from hydraloop.optim import part_modules
 from hydraloop.parallel.single import SingleDevice
 from hydraloop.precision import Precision
 from hydraloop.restore import load_weights
+from hydraloop.seeding import seeded_build
 from hydraloop.storage import write_atomic
 from hydraloop.tasks.base import Task
 
@@ -77,7 +77,8 @@ def predict(cfg: Any, strategy: SingleDevice, task: Task) -> dict[str, Any]:
         raise ConfigError(
             f"data.predict_path={cfg.data.predict_path}: fewer inputs than the {strategy.world_size} ranks"
         )
-    model = strategy.wrap(strategy.build(lambda: instantiate(cfg.model)), part_modules(cfg.optimizer))  # as in training
+    model = strategy.build(lambda: seeded_build(cfg.model, cfg.seed))
+    model = strategy.wrap(model, part_modules(cfg.optimizer))  # as in training
     precision = Precision(cfg.trainer.precision, strategy.device)
     state = load_weights(cfg.ckpt_path, strategy, model, cfg.ckpt_weights)
     module = strategy.eval_module(model)

@@ -1,9 +1,11 @@
 import random
+from typing import Any
 
 import numpy as np
 import torch
+from hydra.utils import instantiate
 
-from hydraloop.keyed_dropout import mix_int
+from hydraloop.row_keys import mix_int
 
 
 def seed_everything(seed: int) -> None:
@@ -11,6 +13,18 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def seeded_build(node: Any, seed: int, **kwargs: Any) -> Any:
+    """`instantiate(node, **kwargs)` with Python's, numpy's and torch's generators seeded from `seed` first.
+
+    Every process builds the run's parts (the launcher to check them; each rank, forked or spawned, to train), and
+    each from a generator state of its own: whatever a constructor draws (a `random_split`, a random subset, generated
+    data, initial weights) would differ between runs of the same seed, between the launcher and the ranks, and between
+    the ranks, which would then train and validate on different samples. Seeded before each part, every process builds
+    the same one."""
+    seed_everything(seed)
+    return instantiate(node, **kwargs)
 
 
 def epoch_seed(seed: int, rank: int, epoch: int) -> int:

@@ -15,7 +15,9 @@ With several optimizers (hydraloop.optim) a step is one such pass per optimizer 
 that optimizer (`training_loss(model, batch, optimizer=name)`), stepping that optimizer alone: the gradients of its
 parameters are reduced over the ranks (`reduce_gradients`), checked, clipped and scaled as one optimizer's are, and
 every gradient is cleared before the next pass. A pass with a non-finite loss (`trainer.nonfinite_loss=skip`) ends the
-step as a skipped one: its optimizer and those of the passes after it do not step (those before it have).
+step as a skipped one: its optimizer and those of the passes after it do not step (those before it have). A task whose
+loss is over the whole global batch (contrastive) has its rows gathered over the ranks instead of weighted, and
+accumulates in two passes (hydraloop.global_batch).
 
 Once an optimizer's gradients are reduced, every rank holds the same ones (under FSDP, shards of them), and what
 follows acts on state every rank holds alike: the callbacks' gradient hooks (`on_before_optimizer_step` sees the
@@ -27,7 +29,8 @@ every rank and the same as one process draws.
 
 import math
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
+from functools import partial
 from typing import Any
 
 import torch
@@ -35,10 +38,12 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from hydraloop.batches import count_rows, slice_rows
-from hydraloop.keyed_dropout import RowKeys
+from hydraloop.draw_watch import DrawWatch
+from hydraloop.global_batch import global_batch_backward
 from hydraloop.losses import nonfinite_on_any_rank
 from hydraloop.parallel.single import SingleDevice
 from hydraloop.precision import Precision
+from hydraloop.row_keys import RowKeys
 from hydraloop.seeding import CHOOSING_THE_PASSES, StepSeeder
 from hydraloop.tasks.base import Task
 
@@ -61,11 +66,14 @@ class OptimizerStep:
         skip_nonfinite: bool = False,
         row_keys: RowKeys | None = None,
         seeder: StepSeeder,
+        draw_watch: DrawWatch | None = None,
         gradient_hooks: GradientHooks | None = None,
     ) -> None:
         """`model`: the strategy-wrapped model; `optimizers`: by name, one named "" or several (hydraloop.optim);
-        `row_keys`: for a model with KeyedDropout (None: it has none); `seeder`: seeds torch's generators before
-        each part of the step; `gradient_hooks`: the callbacks' (None: no callback has one)."""
+        `row_keys`: the rows of each micro-batch, for keyed randomness (hydraloop.row_keys; None: no rows, keyed
+        draws fall back on torch's); `seeder`: seeds torch's generators before each part of the step; `draw_watch`:
+        says when the passes draw from those generators (hydraloop.draw_watch); `gradient_hooks`: the callbacks'
+        (None: no callback has one)."""
         self.strategy, self.precision, self.task = strategy, precision, task
         self.model, self.optimizers = model, optimizers
         self.names = list(optimizers)
@@ -78,6 +86,7 @@ class OptimizerStep:
         self.micro_rows = global_batch_size // (self.world_size * grad_accum_steps)
         self.row_keys = row_keys
         self.seeder, self.gradient_hooks = seeder, gradient_hooks
+        self.draw_watch = draw_watch or DrawWatch([], None, False, False)
         self.float_buffers = [buffer for buffer in model.buffers() if buffer.is_floating_point()]
 
     def __call__(self, batch: Any, global_rows: int, step: int) -> Tensor | None:
@@ -112,11 +121,33 @@ class OptimizerStep:
         # A skipped step must leave the model as it was: its forward pass moved batch norm's running statistics too.
         buffers = [buffer.clone() for buffer in self.float_buffers] if self.skip_nonfinite else []
         micro_batches = self.micro_batches(batch, global_rows)
+        with self.draw_watch.watching(step):
+            if self.task.global_batch_loss:  # hydraloop.global_batch: one optimizer (checked in the launcher)
+                keys = partial(self.keys, step=step, index=index)
+                loss_sum = global_batch_backward(self, micro_batches, global_rows, keys)
+            else:
+                loss_sum = self.backward_passes(name, micro_batches, global_rows, step, index)
+        if self.several:
+            self.strategy.reduce_gradients(self.model, self.params[name])
+        if self.skip_nonfinite and nonfinite_on_any_rank(loss_sum, self.strategy):
+            optimizer.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                for buffer, saved in zip(self.float_buffers, buffers):
+                    buffer.copy_(saved)
+            return None
+        self.seeder.replicated(step, index)  # from here on, every rank acts alike on the same gradients
+        with self.strategy.whole_tensor_draws():
+            self.clip_and_step(name, optimizer)
+        return loss_sum
+
+    def backward_passes(self, name: str, micro_batches: list, global_rows: int, step: int, index: int) -> Tensor:
+        """The forward and backward passes of an optimizer's pass over this rank's micro-batches, each weighted by
+        its share of the global batch; returns this rank's share of the step's loss."""
         shares = self.loss_shares(micro_batches)
         last = len(micro_batches) - 1
         loss_sum = None
         for i, (micro_batch, first_row, rows) in enumerate(micro_batches):
-            keys = self.row_keys(step, first_row, rows, index) if self.row_keys else nullcontext()
+            keys = self.keys(first_row, rows, step=step, index=index)
             with self.strategy.no_sync(self.model) if i < last else nullcontext():
                 with self.precision.autocast(), keys:
                     if self.several:
@@ -140,18 +171,11 @@ class OptimizerStep:
             loss_sum = weighted.detach() if loss_sum is None else loss_sum + weighted.detach()
         if loss_sum is None:  # no row here at all
             loss_sum = torch.zeros((), device=self.strategy.device)
-        if self.several:
-            self.strategy.reduce_gradients(self.model, self.params[name])
-        if self.skip_nonfinite and nonfinite_on_any_rank(loss_sum, self.strategy):
-            optimizer.zero_grad(set_to_none=True)
-            with torch.no_grad():
-                for buffer, saved in zip(self.float_buffers, buffers):
-                    buffer.copy_(saved)
-            return None
-        self.seeder.replicated(step, index)  # from here on, every rank acts alike on the same gradients
-        with self.strategy.whole_tensor_draws():
-            self.clip_and_step(name, optimizer)
         return loss_sum
+
+    def keys(self, first_row: int, rows: int, *, step: int, index: int) -> AbstractContextManager:
+        """The rows' context of a micro-batch, for keyed draws (none without row keys)."""
+        return self.row_keys(step, first_row, rows, index) if self.row_keys else nullcontext()
 
     def clip_and_step(self, name: str, optimizer: Optimizer) -> None:
         """The optimizer's step on its reduced gradients: the gradient hooks, clipping, and the step itself."""

@@ -22,8 +22,8 @@ from hydraloop.callbacks import Callback, has_gradient_hooks, load_callback_stat
 from hydraloop.checkpoint import TrainState
 from hydraloop.data.loaders import TrainLoader
 from hydraloop.data.samplers import GlobalBatchSampler
+from hydraloop.draw_watch import DrawWatch, split_of
 from hydraloop.interval_log import IntervalLog
-from hydraloop.keyed_dropout import RowKeys, draws_keyed_masks
 from hydraloop.loop_checkpoints import LoopCheckpoints
 from hydraloop.loop_state import EpochLosses, GlobalSums, Interval, count_skipped, planned_steps
 from hydraloop.losses import check_finite
@@ -32,6 +32,7 @@ from hydraloop.perf import Throughput
 from hydraloop.precision import Precision
 from hydraloop.preemption import StopRequest
 from hydraloop.profiling import NullProfiler
+from hydraloop.row_keys import RowKeys
 from hydraloop.run_writer import NullRunWriter
 from hydraloop.seeding import AFTER_THE_STEP, StepSeeder, epoch_seed, seed_everything
 from hydraloop.step import OptimizerStep
@@ -81,20 +82,23 @@ class Trainer:
         self.channels_last = settings.channels_last
         self.seed = seed
         self.stop_request = stop_request or StopRequest()
-        self.global_sums = GlobalSums(strategy, self.stop_request)  # and `stop_signum`, the stop the ranks agreed on
+        split = split_of(strategy, settings.grad_accum_steps)
+        self.draw_watch = DrawWatch(strategy.devices, split, strategy.is_main_process, not settings.compile)
+        # And `stop_signum`, the stop the ranks agreed on; and whether a rank drew from torch's generators.
+        self.global_sums = GlobalSums(strategy, self.stop_request, self.draw_watch)
         self.checkpoints = LoopCheckpoints(
             strategy, writer, precision, model, optimizers, schedulers, config, settings, rerun_starts_from
         )
         self.replica_check = self.checkpoints.replica_check  # before each checkpoint, and every N steps here
         self.interval_log = IntervalLog(strategy, writer, schedulers, throughput)
         metric = (optimized_metric, optimized_metric_mode)
+        # Keyed randomness (the model's KeyedDropout, the task's hydraloop.keyed_random draws) reads the rows a
+        # batch holds; they are made on the device only where something reads them.
+        row_keys = RowKeys(seed, strategy.rank, strategy.world_size, strategy.device)
         self.validation = Validation(
-            strategy, writer, precision, task, model, settings, metric, validated, self._on_device
+            strategy, writer, precision, task, model, settings, metric, validated, self._on_device, row_keys
         )
         self.seed_step = StepSeeder(seed, strategy.rank, strategy.devices)
-        # Only for a model that draws keyed masks: every other model pays nothing for it.
-        keyed = draws_keyed_masks(model)
-        row_keys = RowKeys(seed, strategy.rank, strategy.world_size, strategy.device) if keyed else None
         self.step = OptimizerStep(
             strategy,
             precision,
@@ -107,6 +111,7 @@ class Trainer:
             skip_nonfinite=settings.nonfinite_loss == "skip",
             row_keys=row_keys,
             seeder=self.seed_step,
+            draw_watch=self.draw_watch,
             gradient_hooks=self._gradient_hooks if has_gradient_hooks(callbacks or {}) else None,
         )
         self.progress, self.profiler = tqdm(disable=True), NullProfiler()  # fit() swaps in the writer's

@@ -8,17 +8,22 @@ import logging
 import math
 import operator
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from hydraloop.batches import count_rows
 from hydraloop.callbacks import TrainerView
 from hydraloop.checkpoint import TrainState
+from hydraloop.draw_watch import DrawWatch, split_of
 from hydraloop.early_stopping import EarlyStopping
+from hydraloop.global_batch import global_batch_statistics
 from hydraloop.parallel.single import SingleDevice
 from hydraloop.precision import Precision
+from hydraloop.row_keys import VALIDATION_PASS, RowKeys
 from hydraloop.run_writer import NullRunWriter
 from hydraloop.tasks.base import Task
 
@@ -37,10 +42,12 @@ class Validation:
         metric: tuple[str, str],
         validated: dict[str, float] | None,
         on_device: Callable[[Any], Any],
+        row_keys: RowKeys | None = None,
     ) -> None:
         """`settings`: the `trainer` config node; `metric`: optimized_metric and optimized_metric_mode (max, min);
         `validated`: the metrics of the resumed checkpoint's step, if it holds them; `on_device`: a batch as the
-        model takes it, on this rank's device."""
+        model takes it, on this rank's device; `row_keys`: the rows of each batch, for keyed draws (its samples'
+        indices in the validation set: the same numbers at every validation, under every strategy)."""
         optimized_metric, optimized_metric_mode = metric
         self.strategy, self.writer, self.precision, self.task, self.model = strategy, writer, precision, task, model
         self.max_epochs, self.max_steps = settings.max_epochs, settings.max_steps
@@ -52,21 +59,37 @@ class Validation:
         self.early_stopping = EarlyStopping(patience, min_delta, optimized_metric, optimized_metric_mode)
         self.validated = validated or {}  # the latest validation's metrics...
         self.validated_at = -1  # ...and its global step (see Trainer.fit for a resumed checkpoint's)
+        self.row_keys = row_keys
+        split = split_of(strategy, 1)
+        self.draw_watch = DrawWatch(strategy.devices, split, strategy.is_main_process, name_draws=not settings.compile)
 
     @torch.no_grad()
     def evaluate(self, loader: DataLoader) -> dict[str, float]:
         """The task's metrics over the whole validation set; each sample is counted once, on one rank."""
-        module = self.strategy.eval_module(self.model)
+        strategy, task = self.strategy, self.task
+        module = strategy.eval_module(self.model)
         module.eval()
-        device = self.strategy.device
-        totals = torch.zeros(self.task.num_statistics, dtype=torch.float64, device=device)
+        # The statistics, and last whether a rank drew from torch's generators (hydraloop.draw_watch).
+        totals = torch.zeros(task.num_statistics + 1, dtype=torch.float64, device=strategy.device)
         batches = itertools.islice(loader, self.limit_val_batches)
         count = min(len(loader), self.limit_val_batches or len(loader))
-        for batch in self.strategy.eval_batches(batches, count):
-            with self.precision.autocast():
-                totals += self.task.validation_statistics(module, self.on_device(batch))
-        metrics = self.task.metrics_from(self.strategy.all_reduce(totals).tolist())
-        return {**metrics, **(self.task.extra_metrics.compute() if self.task.extra_metrics else {})}
+        # A loss over the global batch gathers over the ranks in every batch: every rank runs as many.
+        every_rank = strategy.batches_on_every_rank if task.global_batch_loss else strategy.eval_batches
+        first_row = 0  # the rank's samples so far: its next sample is rank + world_size * first_row of the set
+        for batch in every_rank(batches, count):
+            batch, rows = self.on_device(batch), count_rows(batch)
+            keys = self.row_keys(0, first_row, rows, VALIDATION_PASS) if self.row_keys else nullcontext()
+            with self.precision.autocast(), keys, self.draw_watch.watching(None):
+                if task.global_batch_loss:
+                    totals[:-1] += global_batch_statistics(task, module, batch, strategy)
+                else:
+                    totals[:-1] += task.validation_statistics(module, batch)
+            first_row += rows
+        totals[-1] = self.draw_watch.flag()
+        totals = strategy.all_reduce(totals).tolist()
+        self.draw_watch.reduced(totals[-1])
+        metrics = task.metrics_from(totals[:-1])
+        return {**metrics, **(task.extra_metrics.compute() if task.extra_metrics else {})}
 
     def metrics(self, trainer: TrainerView, state: TrainState) -> dict[str, float]:
         """The task's metrics of the weights as they are, and the callbacks' (val/ema/... beside them)."""

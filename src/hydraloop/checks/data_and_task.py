@@ -8,7 +8,6 @@ import inspect
 from typing import Any
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch.utils.data import TensorDataset, default_collate
 
@@ -18,6 +17,7 @@ from hydraloop.callbacks import reported_metrics
 from hydraloop.errors import require, unwrap_instantiation
 from hydraloop.metrics import MetricSet
 from hydraloop.optim import optimizer_nodes
+from hydraloop.seeding import seeded_build
 from hydraloop.trial import try_batch
 
 
@@ -51,16 +51,18 @@ def built(cfg: Any, path: str) -> Any:
     """The node at `path`, built; what its constructor refuses as one line (see arguments.raise_refusal)."""
     node = OmegaConf.select(cfg, path)
     try:
-        return instantiate(node)
+        return seeded_build(node, cfg.seed)  # as the ranks build it (a random_split draws the same samples)
     except Exception as error:  # noqa: BLE001  bad input is reported, anything else raised
         raise_refusal(path, node, unwrap_instantiation(error))
         raise
 
 
-def check_task(cfg: Any, task: Any, callbacks: dict) -> None:
-    """The task fits the data and model, and it or a callback reports `optimized_metric`."""
+def check_task(cfg: Any, task: Any, callbacks: dict, world_size: int = 1) -> None:
+    """The task fits the data and model (on `world_size` ranks), and it or a callback reports `optimized_metric`."""
     task.check(cfg)
     _check_optimizer_steps(cfg, task)
+    if task.global_batch_loss:
+        _check_global_batch(cfg, world_size)
     task.extra_metrics = MetricSet(cfg.metrics, torch.device("cpu"))  # each one built: bad input is found here
     own = task.reported_metrics()
     for name in task.extra_metrics.names if task.extra_metrics else []:
@@ -71,6 +73,22 @@ def check_task(cfg: Any, task: Any, callbacks: dict) -> None:
         )
     metric, reported = cfg.optimized_metric, reported_metrics(task.all_metrics(), callbacks)
     require(metric in reported, f"optimized_metric={metric}: the task reports {', '.join(reported)}")
+
+
+def _check_global_batch(cfg: Any, world_size: int) -> None:
+    """A loss over the global batch (hydraloop.global_batch): one optimizer, and validation batches that split
+    evenly over the ranks (the global validation batch is then one process's, for in-batch negatives)."""
+    where = f"task._target_={cfg.task._target_}"
+    require(
+        not [name for name in optimizer_nodes(cfg.optimizer) if name],
+        f"{where}: a loss over the global batch trains with one optimizer (the optimizer node names several)",
+    )
+    val_batch_size = cfg.data.val_batch_size or cfg.data.batch_size
+    require(
+        val_batch_size % world_size == 0,
+        f"data.val_batch_size={val_batch_size}: {where} computes its loss over the whole validation batch, which "
+        f"must split evenly over the {world_size} ranks (as data.batch_size does)",
+    )
 
 
 STEPS_ORDERED = 1000  # the steps whose order the launcher asks the task for: an optimizer it never names is bad input

@@ -39,8 +39,8 @@ def check_launch(cfg: Any, strategy: Any) -> Any:
     apply_token_budget(cfg)
     # Before the task's checks: an image folder that is missing explains its 0 classes. Its check gives a sample.
     checked_sample = built(cfg, "data.check") if cfg.data.check else None
-    task = instantiate(cfg.task)
-    check_task(cfg, task, build_callbacks(cfg.callbacks))
+    task = built(cfg, "task")
+    check_task(cfg, task, build_callbacks(cfg.callbacks), strategy.world_size)
     train_samples = None if cfg.data.check else check_data(cfg, task)
     if checked_sample is not None:  # the trial batch of a data set too costly to build here
         check_batch(cfg, task, default_collate([checked_sample, checked_sample]), "data.check")

@@ -217,6 +217,11 @@ class DDPStrategy(SingleDevice):
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
 
+    def all_gather(self, tensor: Tensor) -> list[Tensor]:
+        gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(gathered, tensor)
+        return gathered
+
     def replica_groups(self) -> list[list[int]]:
         return [list(range(self.world_size))]  # every rank holds the whole model, stepped alike
 

@@ -17,7 +17,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.optim import Optimizer
 
-from hydraloop.batches import slice_rows
 from hydraloop.errors import ConfigError
 from hydraloop.parallel.ddp import DDPStrategy
 from hydraloop.parallel.fsdp_state import (
@@ -214,20 +213,7 @@ class FSDPStrategy(DDPStrategy):
         return model  # unlike DDP, no plain module to fall back on: each rank holds only shards (see eval_batches)
 
     def eval_batches(self, batches: Iterable[Any], count: int) -> Iterator[Any]:
-        """Every forward pass all-gathers, so every rank must run as many as the others. The validation shards
-        may differ by one sample, and so by one batch: a rank with fewer batches runs the missing passes on an
-        empty batch, which adds nothing to the metrics."""
-        counts = torch.zeros(self.world_size, device=self.device)
-        counts[self.rank] = count
-        counts = self.all_reduce(counts)
-        most = int(counts.max())
-        if most > 0 and not bool(counts.all()):
-            raise ConfigError(f"parallel=fsdp: the validation set has fewer samples than the {self.world_size} ranks")
-        batch = None
-        for batch in batches:
-            yield batch
-        for _ in range(most - count):
-            yield slice_rows(batch, 0, 0)
+        return self.batches_on_every_rank(batches, count)  # every forward pass all-gathers: all ranks run as many
 
     def state_dicts(
         self, model: nn.Module, optimizers: dict[str, Optimizer], staging: Path | None = None

@@ -1,5 +1,5 @@
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any, TypeVar
@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from hydraloop.batches import slice_rows
 from hydraloop.errors import ConfigError
 from hydraloop.sharded_checkpoint import in_memory
 
@@ -125,6 +126,22 @@ class SingleDevice:
         """This rank's `count` validation batches, as the loop evaluates them: here, as they come."""
         return batches
 
+    def batches_on_every_rank(self, batches: Iterable[Any], count: int) -> Iterator[Any]:
+        """This rank's `count` validation batches, and as many more empty ones as make every rank's count the same:
+        for validation passes that communicate (FSDP's forward, a loss over the global batch). The validation shards
+        may differ by one sample, and so by one batch; an empty batch adds nothing to the metrics."""
+        counts = torch.zeros(self.world_size, device=self.device)
+        counts[self.rank] = count
+        counts = self.all_reduce(counts)
+        most = int(counts.max())
+        if most > 0 and not bool(counts.all()):
+            raise ConfigError(f"the validation set has fewer samples than the {self.world_size} ranks")
+        batch = None
+        for batch in batches:
+            yield batch
+        for _ in range(most - count):
+            yield slice_rows(batch, 0, 0)
+
     def sync_buffers(self, model: nn.Module) -> None:
         """Gives every rank rank 0's buffers (batch norm's running statistics), before a validation or checkpoint:
         each rank updates its own from its own shard, and rank 0's are saved. Here, one rank: nothing to do."""
@@ -164,6 +181,10 @@ class SingleDevice:
     def all_reduce(self, tensor: Tensor) -> Tensor:
         """Sums `tensor` over ranks, in place; returns it."""
         return tensor
+
+    def all_gather(self, tensor: Tensor) -> list[Tensor]:
+        """Every rank's `tensor` (of one shape on every rank), by rank; here, this one's."""
+        return [tensor]
 
     def replica_groups(self) -> list[list[int]]:
         """The ranks that hold the same copy of the trained state (parameters, optimizer and callback states), one

@@ -31,6 +31,8 @@ class Task:
     """Tokens in one sample's targets (perf/tokens_per_sec); None: the task does not count tokens."""
     num_statistics: int
     """The length of `statistics`' vector (a rank with no validation batch still joins the reduction with zeros)."""
+    global_batch_loss: ClassVar[bool] = False
+    """Whether the loss is over the whole global batch (in-batch negatives): hydraloop.tasks.global_batch's."""
 
     extra_metrics: Any = None
     """The config's `metrics` (hydraloop.metrics.MetricSet: torchmetrics by name), updated in validation with
