@@ -129,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         and not outcome.passed
         for _, outcome in results
     )
+    for (name, row), (_, outcome) in zip(rows.items(), results):
+        if isinstance(outcome, exactness.Comparison) and not outcome.passed:
+            log = out / name / "train.log"
+            print(f"  {row.label}: {exactness.likely_cause(log.read_text() if log.exists() else '')}")
     if not failed and args.out is None:
         shutil.rmtree(out, ignore_errors=True)
     elif failed:
@@ -174,16 +178,22 @@ def composed(overrides: list[str]):
 def make_plan(cfg, ranks: int) -> Plan:
     """A batch that splits into `ranks` x the accumulation, and an epoch of FULL_BATCHES of them and a last one of
     fewer rows than ranks x accumulation (trainer.limit_train_samples), from the command's batch size."""
-    from hydra.utils import instantiate
+    from hydraloop.seeding import seeded_build
 
     notes = []
+    task = seeded_build(cfg.task, cfg.seed)
+    if task.global_batch_loss:
+        notes.append(
+            f"{type(task).__name__}: a loss over the global batch: its rows are gathered over the ranks, and "
+            "accumulation computes them in two passes (hydraloop.global_batch)"
+        )
     batch = cfg.data.batch_size
     accumulation = next((a for a in (3, 2, 4) if batch % (ranks * a) == 0), None)
     if accumulation is None:
         accumulation = 3
         batch = math.ceil(batch / (ranks * accumulation)) * ranks * accumulation
         notes.append(f"data.batch_size={batch} (was {cfg.data.batch_size}): split into {ranks} ranks x 3 micro-batches")
-    train_set, _ = instantiate(cfg.data.dataset)
+    train_set, _ = seeded_build(cfg.data.dataset, cfg.seed)  # as the runs build it
     last_rows = min(ranks * accumulation - 1, batch - 1) or 1
     samples = FULL_BATCHES * batch + last_rows
     if len(train_set) < samples:

@@ -187,6 +187,22 @@ class Outcome:
     text: str
 
 
+def likely_cause(log: str) -> str:
+    """What a failing row's run log says of why it left single-process training: per-rank draws the run saw
+    (hydraloop.draw_watch), nn.Dropout the launcher saw, or the causes no run can see."""
+    for line in log.splitlines():
+        if "this run is not exact:" in line:
+            seen = line.split("while the batch is split", 1)[-1].split(". Such numbers", 1)[0]
+            return f"cause: draws from torch's generator per rank and micro-batch{seen.split(')', 1)[-1]}"
+        if "the model has nn.Dropout" in line:
+            return "cause: nn.Dropout, whose masks depend on the split (KeyedDropout's do not)"
+    return (
+        "cause: no per-rank draw was seen; the model or task depends on how the batch is split in another way: "
+        "batch statistics (batch norm without parallel.sync_batchnorm), a loss over the whole batch not declared as "
+        "one (hydraloop.tasks.global_batch), or code that reads its rank"
+    )
+
+
 def table(rows: list[tuple[str, Comparison | Outcome | None]]) -> str:
     """Plain text: per row its parts' largest differences, pass or fail, and the first entry beyond the tolerance;
     an Outcome's line in place of them, and None for the reference."""
