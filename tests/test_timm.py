@@ -82,3 +82,21 @@ def test_timms_data_config_resolves_in_the_config():
 def test_what_it_cannot_build_is_one_line(arguments, expected):
     with torch.device("meta"), pytest.raises(ConfigError, match=expected):
         timm_model(num_classes=10, **arguments)
+
+
+# A ViT of 2 blocks on the digits' 8x8 images, with every kind of timm randomness: dropout, attention dropout,
+# projection dropout and drop path (stochastic depth).
+TINY_VIT = ["model=timm", "model.name=vit_tiny_patch16_224", "+model.img_size=8", "+model.patch_size=4"]
+TINY_VIT += ["+model.embed_dim=16", "+model.depth=2", "+model.num_heads=2", "+model.drop_path_rate=0.3"]
+TINY_VIT += ["+model.attn_drop_rate=0.1", "+model.proj_drop_rate=0.1", "+model.drop_rate=0.1", "logger=none"]
+TINY_VIT += ["data.batch_size=24", "data.drop_last=false", "trainer.limit_train_samples=53", "trainer.max_steps=5"]
+
+
+@pytest.mark.slow
+def test_timms_dropout_and_drop_path_are_keyed_so_ddp_with_accumulation_trains_what_single_does(run_train):
+    single = run_train(*TINY_VIT)
+    split = run_train(*TINY_VIT, "parallel=ddp", "trainer.grad_accum_steps=2")  # a last batch of 5 rows
+    for run in (single, split):
+        assert run.returncode == 0, run.output
+    assert "not exact" not in split.log and "nn.Dropout" not in split.log
+    assert max_param_diff(single.checkpoint()["model"], split.checkpoint()["model"]) < 1e-5

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hydraloop import keyed_random
 from hydraloop.row_keys import GOLDEN, current, current_rows, element_keys, layer_key, mix_, mix_int
 
 _torch_dropout = F.dropout  # torch's own, before key_functional_dropout installs the keyed one
@@ -39,6 +40,25 @@ class KeyedDropout(nn.Module):
         if not self.training or self.p == 0.0:
             return x
         return keyed_dropout(x, self.p, self.key_term)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, key={self.key}"
+
+
+class KeyedDropPath(nn.Module):
+    """Stochastic depth (timm's DropPath: a residual branch dropped for a whole sample with probability p, the kept
+    ones scaled by 1 / (1 - p)), each sample's drop keyed as KeyedDropout's masks are (hydraloop.keyed_random)."""
+
+    def __init__(self, p: float, key: int) -> None:
+        super().__init__()
+        self.p, self.key = p, key
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        shape = (x.shape[0],) + (1,) * (x.dim() - 1)
+        kept = keyed_random.bernoulli(1.0 - self.p, shape, key=("drop_path", self.key), device=x.device)
+        return x * kept.to(x.dtype) / (1.0 - self.p)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, key={self.key}"

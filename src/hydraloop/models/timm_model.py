@@ -5,6 +5,12 @@ download (its pretrained config's Hugging Face repo) from the Hugging Face cache
 `weights_file`: never downloaded at run time, and missing weights are one line saying which file was expected where.
 With a num_classes other than the weights' (1000 for ImageNet), timm keeps the classifier fresh and loads the rest.
 
+`keyed_dropout=true` (the default) makes the model's randomness keyed (hydraloop.keyed_dropout), so that ddp, fsdp
+and accumulation train what one process trains: its nn.Dropout layers (drop_rate, proj_drop_rate, attn_drop_rate)
+become KeyedDropout, its DropPath layers (drop_path_rate: stochastic depth) KeyedDropPath, its functional dropout
+calls are keyed by their order, and attention with dropout is computed explicitly (timm's fused attention would draw
+its masks in the kernel).
+
 timm's own data config for a name (input size, mean, std, interpolation, crop fraction) is available to the config
 as `${timm_data:NAME,KEY}`, e.g. a Normalize with `mean: ${timm_data:${model.name},mean}`.
 """
@@ -17,14 +23,46 @@ from typing import Any
 from torch import nn
 
 from hydraloop.errors import ConfigError, first_line
+from hydraloop.keyed_dropout import KeyedDropPath
+from hydraloop.models.hf_keyed_dropout import use_keyed_dropout
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # what timm reads from a Hugging Face repo, in that order
 
 
 def timm_model(
-    name: str, num_classes: int, pretrained: bool = False, weights_file: str | None = None, **kwargs: Any
+    name: str,
+    num_classes: int,
+    pretrained: bool = False,
+    weights_file: str | None = None,
+    keyed_dropout: bool = True,
+    **kwargs: Any,
 ) -> nn.Module:
-    """`timm.create_model(name, num_classes=num_classes, **kwargs)`, pretrained weights from the cache or a file."""
+    """`timm.create_model(name, num_classes=num_classes, **kwargs)`, pretrained weights from the cache or a file;
+    its randomness keyed unless `keyed_dropout=false`."""
+    model = _timm_model(name, num_classes, pretrained, weights_file, **kwargs)
+    if keyed_dropout:
+        key_timm_randomness(model)
+    return model
+
+
+def key_timm_randomness(model: nn.Module) -> None:
+    """A timm model's dropout, drop path and attention dropout, keyed (see the module's docstring)."""
+    from timm.layers import DropPath
+
+    for module in model.modules():
+        attention_dropout = getattr(module, "attn_drop", None)
+        if getattr(module, "fused_attn", False) and isinstance(attention_dropout, nn.Dropout) and attention_dropout.p:
+            module.fused_attn = False  # its explicit path applies attn_drop, keyed below
+    use_keyed_dropout(model)
+    paths = 0
+    for module in list(model.modules()):
+        for name, child in module.named_children():
+            if isinstance(child, DropPath):
+                paths += 1
+                setattr(module, name, KeyedDropPath(child.drop_prob, key=paths))
+
+
+def _timm_model(name: str, num_classes: int, pretrained: bool, weights_file: str | None, **kwargs: Any) -> nn.Module:
     timm = import_timm()
     architecture = timm.models.split_model_name_tag(name)[0]
     if not timm.is_model(architecture):
