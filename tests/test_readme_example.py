@@ -50,13 +50,24 @@ def test_readme_names_its_files():
         "conf/model/siamese.yaml",
         "src/hydraloop/tasks/model_loss.py",
         "conf/task/model_loss.yaml",
+        "src/hydraloop/tasks/diffusion.py",
+        "conf/task/diffusion.yaml",
+        "src/hydraloop/models/denoiser.py",
+        "conf/model/denoiser.yaml",
+        "src/hydraloop/models/vae.py",
+        "conf/model/vae.yaml",
+        "src/hydraloop/tasks/elbo.py",
+        "conf/task/elbo.yaml",
     }
 
 
 def readme_tree(tmp_path, train_env) -> dict:
-    """A copy of src/ and conf/ with README's files written in; the environment that runs it."""
+    """A copy of src/ and conf/ (and scripts/check_exact.py) with README's files written in; the environment that
+    runs it."""
     for folder in ("src", "conf"):
         shutil.copytree(REPO / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(REPO / "scripts" / "check_exact.py", tmp_path / "scripts")
     for path, text in readme_files().items():
         (tmp_path / path).write_text(text)
     return {**train_env, "PYTHONPATH": os.pathsep.join([str(tmp_path / "src"), train_env["PYTHONPATH"]])}
@@ -102,6 +113,18 @@ def test_the_objective_example_trains(tmp_path, train_env):
     assert metrics["val/f1"] > 0.9 and metrics["val/exact"] > 0.6, metrics
     best = read_checkpoint(run_dir / "checkpoints" / "best.pt")
     assert best["config"]["optimized_metric"] == "val/f1" and best["config"]["optimized_metric_mode"] == "max"
+
+
+@pytest.mark.parametrize("example", ["data=spirals model=denoiser task=diffusion", "data=digits model=vae task=elbo"])
+def test_the_randomness_examples_pass_every_row_of_check_exact(tmp_path, train_env, example):
+    """The diffusion model and the VAE draw their noise with keyed_random: ddp, fsdp, accumulation over an uneven
+    last batch and a resume under another strategy train what one process trains, as check_exact prints."""
+    env = readme_tree(tmp_path, train_env)
+    command = [sys.executable, str(tmp_path / "scripts" / "check_exact.py"), *example.split()]
+    proc = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.endswith(" pass")]
+    assert len(rows) == 4, proc.stdout  # ddp, fsdp, accumulation, resume
 
 
 # 257 pairs: 4 batches of 64 and one of 1, fewer rows than the ranks or the micro-batches.
