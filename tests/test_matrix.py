@@ -10,6 +10,7 @@ checkpointing on an MLP) are left out; combinations hydraloop refuses are left o
 its one-line refusal.
 """
 
+import fnmatch
 import json
 import tempfile
 from pathlib import Path
@@ -25,7 +26,8 @@ from omegaconf import OmegaConf
 from conftest import REPO, bad_input_line
 from covering_array import covering_array, uncovered_pairs
 from hydraloop.checkpoint import load_checkpoint
-from hydraloop.exactness import TOLERANCES, compare_entries, compare_runs, table
+from hydraloop.exactness import TOLERANCES, compare, compare_entries, table
+from hydraloop.final_state import final_state
 from hydraloop.precision import Precision
 from hydraloop.predict import load_inputs
 
@@ -58,9 +60,16 @@ MODELS = {
     + ["+model.config.ffn_dim=32", "+model.config.max_position_embeddings=32"],
     "gan": ["experiment=ring_gan", "model.hidden_sizes=[16]"],
     # A loss over the global batch (gathered; two passes under accumulation), views drawn with keyed_random, and
-    # keyed dropout over a batch of each row's two views.
-    "simclr": ["experiment=digits_simclr", "model.hidden_sizes=[16]", "model.num_classes=8", "model.dropout=0.1"],
+    # keyed dropout over a batch of each row's two views. best.pt by the loss: the nearest neighbours of val/knn_acc
+    # may rightly flip at a near tie in bf16, and with them the best step.
+    "simclr": ["experiment=digits_simclr", "model.hidden_sizes=[16]", "model.num_classes=8", "model.dropout=0.1"]
+    + ["optimized_metric=val/loss"],
 }
+# Metrics that count nearest neighbours (simclr's val/knn_acc, and val/acc: a view's nearest is its positive) of an
+# 8-wide embedding 5 steps old: in bf16 about 4% of its samples sit at a near tie, which the round-off of another
+# batch split may rightly flip (a flip of one of UNEVEN's 24 samples is 4.2e-2, beyond bf16's tolerance). Left out of
+# such cases' metrics; their parameters, optimizer state and losses are compared as every case's are.
+NEAR_TIES = {("simclr", "bf16"): ("*/knn_acc*", "*/acc*")}
 HF = ("gpt2", "opt")
 STRATEGIES = {
     "single": ["parallel=single"],
@@ -135,7 +144,7 @@ def training(case: dict, resumed_under: str | None = None) -> list[str]:
     recompute = {
         "none": [],
         "activation_checkpointing": [
-            "trainer.activation_checkpointing=" + ("[Linear]" if case["model"] in ("mlp", "gan") else "true")
+            "trainer.activation_checkpointing=" + ("[Linear]" if case["model"] in ("mlp", "gan", "simclr") else "true")
         ],
         "hf_gradient_checkpointing": ["model.gradient_checkpointing=true"],
     }[case["recompute"]]
@@ -237,6 +246,12 @@ def references(data_cache) -> References:
         yield References(train_here)
 
 
+def near_tie(case: dict, metric: str) -> bool:
+    return any(
+        fnmatch.fnmatchcase(metric, pattern) for pattern in NEAR_TIES.get((case["model"], case["precision"]), ())
+    )
+
+
 def lacking(case: dict) -> tuple[str, ...]:
     """What a reference (callbacks=[ema], trainer.eval_best=true) has that the case has not: the average (its state
     and val/ema/... metrics) without callbacks=[ema], best/... without trainer.eval_best."""
@@ -270,7 +285,11 @@ def test_a_case_computes_what_single_computes(case, run_train, references, predi
     else:
         run = run_train(*training(case))
     assert run.returncode == 0, run.output
-    comparison = compare_runs(reference, run.run_dir, tolerance, may_lack=lacking(case))
+    reference_state, state = final_state(reference), final_state(run.run_dir)
+    for final in (reference_state, state):
+        for name in [n for n in final.parts["metrics"] if near_tie(case, n)]:
+            del final.parts["metrics"][name]
+    comparison = compare(reference_state, state, tolerance, may_lack=lacking(case))
     assert comparison.passed, table([(case_id(case), comparison)])
     if case["evaluation"] == "ema_eval":  # the average, evaluated under the case's strategy: val/ema/... of single
         evaluated = run_train(*evaluation(case, run.run_dir, "eval", predict_files))
@@ -278,6 +297,8 @@ def test_a_case_computes_what_single_computes(case, run_train, references, predi
         saved = json.loads((reference / "metrics.json").read_text())
         averaged = {name.replace("/ema/", "/"): value for name, value in saved.items() if name.startswith("val/ema/")}
         metrics = {name: value for name, value in evaluated.metrics.items() if name.startswith("val/")}
+        averaged = {name: value for name, value in averaged.items() if not near_tie(case, name)}
+        metrics = {name: value for name, value in metrics.items() if not near_tie(case, name)}
         difference = compare_entries(averaged, metrics, tolerance, floor=1.0)
         assert difference.first is None, (difference, metrics, averaged)
     if case["evaluation"] == "ema_predict":  # the average's predictions under the case's strategy

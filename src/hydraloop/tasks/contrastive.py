@@ -24,8 +24,8 @@ from hydraloop.tasks.global_batch import GlobalBatchTask
 
 
 class Contrastive(GlobalBatchTask):
-    metrics = {"val/acc": "max", "val/loss": "min", "val/knn_acc": "max"}
-    default_metric = "val/acc"
+    metrics = {"val/knn_acc": "max", "val/acc": "max", "val/loss": "min"}
+    default_metric = "val/knn_acc"  # what the representation is for; val/acc is what the loss trains
     num_statistics = 4  # NT-Xent sum over views, positives found, nearest samples of the same label, views
 
     def __init__(
@@ -49,7 +49,7 @@ class Contrastive(GlobalBatchTask):
         # neighbours: keyed dropout in the model reads (rows * 2) as each row's two entries.
         views = torch.stack([self.view(images, 0), self.view(images, 1)], dim=1)
         embeddings = call(model, views.flatten(0, 1)).float()
-        return F.normalize(embeddings, dim=-1).view(len(images), 2, -1), labels
+        return F.normalize(embeddings, dim=-1).view(len(images), 2, embeddings.shape[-1]), labels
 
     def view(self, images: Tensor, which: int) -> Tensor:
         """A random view of (rows, channels, height, width) images, keyed by the sample and `which`."""
@@ -88,7 +88,7 @@ class Contrastive(GlobalBatchTask):
 
     def metrics_from(self, totals: list[float]) -> dict[str, float]:
         loss_sum, found, same_label, views = totals
-        return {"val/acc": found / views, "val/loss": loss_sum / views, "val/knn_acc": 2 * same_label / views}
+        return {"val/knn_acc": 2 * same_label / views, "val/acc": found / views, "val/loss": loss_sum / views}
 
     def _per_view(self, embeddings: Tensor) -> tuple[Tensor, Tensor]:
         """NT-Xent per view of (rows, 2, dim) embeddings, and whether its nearest other view is its positive."""
