@@ -209,6 +209,7 @@ def run_rank(stop_marks: str, worker: Callable[..., T], *args) -> T | Stopped:
     launcher (hydraloop.parallel.rank_stops)."""
     if _forked_by == os.getppid():
         _start_as_a_spawned_rank()
+    _multiprocessing_files_in(Path(stop_marks).parent)
     loops_before = loops_entered()
     with stop_at_once():
         try:
@@ -223,6 +224,16 @@ def run_rank(stop_marks: str, worker: Callable[..., T], *args) -> T | Stopped:
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
         return result
+
+
+def _multiprocessing_files_in(folder: Path) -> None:
+    """This rank's multiprocessing folder (where its data loaders' fork server listens) in the launcher's `folder`,
+    which the launcher removes however the rank ended: one in the temporary folder (pymp-*) outlived a killed rank."""
+    user, tempfile.tempdir = tempfile.tempdir, str(folder)
+    try:
+        multiprocessing.util.get_temp_dir()  # made once per process, and kept
+    finally:
+        tempfile.tempdir = user
 
 
 def _start_as_a_spawned_rank() -> None:
