@@ -263,10 +263,12 @@ def _preload_for_workers(*datasets: Dataset) -> None:
     modules |= {type(dataset.dataset).__module__ for dataset in datasets if isinstance(dataset, SeededAugmentation)}
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
-    entrypoint = [spec.name] if spec is not None and spec.name else []  # `python -m`: importable by its name
+    # `python -m module`: the workers import it by its name (multiprocessing leaves a package's __main__ alone).
+    by_name = spec is not None and bool(spec.name)
+    entrypoint = [spec.name] if by_name and not spec.name.endswith("__main__") else []
     preload = ["hydraloop.data.forkserver_main", "__main__", *entrypoint, *sorted(modules - {"__main__"})]
     torch.multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
-    given = {"sys_path": sys.path, "main_path": None if entrypoint else getattr(main, "__file__", None)}
+    given = {"sys_path": sys.path, "main_path": None if by_name else getattr(main, "__file__", None)}
     os.environ[forkserver_main.ENV] = json.dumps(given)
     try:
         multiprocessing.forkserver.ensure_running()
