@@ -10,7 +10,8 @@
     `python -c "import torch"`.
 (c) parallel=dataparallel and parallel=ddp with 1 and 2 processes (`--ddp-procs`) against parallel=single, as whole
     commands; and ddp with the most processes again without its replica check (trainer.replica_check_every_n_steps=0):
-    the check's cost at its default, before each validation and checkpoint.
+    the check's cost at its default, before each validation and checkpoint; and with a loader worker per rank
+    (data.num_workers=1): the whole command's time, fork servers' start included, beside the row without workers.
 (d) Images per second through hydraloop's training loader over an image folder (scripts/make_image_folder.py's
     digits, 16x16 random crops and flips, seeded per sample) with 0, 1 and 2 worker processes, the transforms'
     closing ToDtype and Normalize run per batch (hydraloop's way) and per sample. (a) also runs a small CNN on that

@@ -74,11 +74,13 @@ def startup(args) -> dict:
 
 
 NO_REPLICA_CHECK = "no replica check"  # in a variant's name, which names its run directory: no comma
+LOADER_WORKERS = "1 loader worker each"
 
 
 def ddp_scaling(args) -> list[dict]:
     """Whole commands; loop throughput from metrics.json (global samples over the time spent in fit). With the most
-    ranks of `--ddp-procs`, also ddp with trainer.replica_check_every_n_steps=0, for the check's cost at its default."""
+    ranks of `--ddp-procs`, also ddp with trainer.replica_check_every_n_steps=0, for the check's cost at its default,
+    and ddp with a loader worker per rank (data.num_workers=1)."""
     common = [
         "data=synthetic",
         "data.dataset.num_train=32768",
@@ -99,6 +101,10 @@ def ddp_scaling(args) -> list[dict]:
     if replicated > 1:  # the replica check at its default (each validation and checkpoint) against none
         check_off = ["parallel=ddp", f"parallel.nproc_per_node={replicated}", "trainer.replica_check_every_n_steps=0"]
         variants[f"ddp x{replicated} {NO_REPLICA_CHECK}"] = check_off
+        # Loader workers under spawned ranks: a fork server per rank, started as the loaders are built (its wall time
+        # against the row without workers: the servers' start; their throughput: loading in other processes).
+        with_workers = ["parallel=ddp", f"parallel.nproc_per_node={replicated}", "data.num_workers=1"]
+        variants[f"ddp x{replicated} {LOADER_WORKERS}"] = with_workers
     results = {label: {"wall_s": [], "samples_per_s": []} for label in variants}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(max(1, args.repeats // 2)):

@@ -85,6 +85,14 @@ class WaitingMLP(PausingMLP):
             time.sleep(0.05)
 
 
+class WaitingInARankMLP(WaitingMLP):
+    """WaitingMLP, waiting in a rank only: the launcher's trial batch (hydraloop.trial) is its model's step 1."""
+
+    def misbehave(self) -> None:
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            super().misbehave()
+
+
 class KilledMLP(RaisingMLP):
     """Dies without a word at one step: SIGKILL to itself, as the out-of-memory killer or a lost node would do."""
 

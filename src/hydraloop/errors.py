@@ -58,10 +58,21 @@ class Interrupted(RuntimeError):
     """A stop signal ended the run after a checkpoint. Exits with 128 + the signal's number, as the shell reports a
     process the signal ended (143 for SIGTERM), so schedulers and sweepers do not count the run as finished."""
 
-    def __init__(self, signum: int, message: str) -> None:
+    def __init__(self, signum: int | str, message: str | None = None) -> None:
+        """`Interrupted(signum, message)`; or `Interrupted(text)`, text being an Interrupted's own (its first line
+        read): OmegaConf rebuilds an exception raised inside it as `type(error)(its text and the key's)`, and
+        pickle as `type(error)(*error.args)`. A stop signal's Interrupted raised while OmegaConf reads a key (a
+        rank reading its config) stays a stop."""
+        if message is None:
+            text = str(signum).strip()
+            first = text.splitlines()[0] if text else ""
+            name, _, message = first.removeprefix("stopped by ").partition(" ")
+            if not first.startswith("stopped by ") or name not in signal.Signals.__members__:
+                raise TypeError(f"Interrupted({signum!r}): needs a signal and a message, or an Interrupted's text")
+            signum = signal.Signals[name]
         super().__init__(f"stopped by {signal.Signals(signum).name} {message}")
-        self.signum = signum
-        self.exit_code = 128 + signum
+        self.signum = int(signum)
+        self.exit_code = 128 + self.signum
 
 
 def peer_gone(error: BaseException) -> bool:

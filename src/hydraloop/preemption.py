@@ -34,6 +34,15 @@ log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
+_loops_entered = 0  # StopRequests entered by this process (and those it was forked from): see `loops_entered`
+
+
+def loops_entered() -> int:
+    """How many training loops' stop handling (StopRequest) this process has entered, its parent's before a fork
+    included: a rank compares it with its count at start to tell a stop before its training from one in or after
+    it (hydraloop.parallel.rank_stops)."""
+    return _loops_entered
+
 
 class StopRequest:
     """`signum` is the first stop signal received (0: none). A context manager that installs the handlers."""
@@ -52,6 +61,8 @@ class StopRequest:
             )
 
     def __enter__(self) -> "StopRequest":
+        global _loops_entered
+        _loops_entered += 1
         if threading.current_thread() is threading.main_thread():  # Python delivers signals to the main thread only
             self._previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
         return self

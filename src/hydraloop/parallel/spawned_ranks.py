@@ -1,7 +1,7 @@
 """How parallel=ddp and fsdp start their own ranks, without torchrun: torch.distributed.elastic (`launch_ranks`),
-forked or spawned (parallel.start_method; `forkable` says when a fork is whole), the first failed rank's error
-reported as the job's, and stop signals passed on to the ranks, which decide together what they mean
-(hydraloop.preemption); a rank that stopped returns that as its result, not as a failure."""
+forked or spawned (parallel.start_method; `forkable` says when a fork is whole), in a temporary folder of their own
+(the agent's logs and error files), the first failed rank's error reported as the job's, and stop signals passed on
+to the ranks, which decide together what they mean (hydraloop.parallel.rank_stops)."""
 
 import atexit
 import logging
@@ -10,24 +10,24 @@ import multiprocessing.forkserver
 import multiprocessing.util
 import os
 import signal
-import threading
+import tempfile
 import uuid
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from contextlib import contextmanager
 from pathlib import Path
-from types import FrameType
 from typing import TypeVar
 
 import torch
 from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from hydraloop.errors import ConfigError, Interrupted, StorageError, WorkerFailed
-from hydraloop.preemption import STOP_SIGNALS, StopRequest, stop_at_once
+from hydraloop.parallel.rank_stops import Stopped, mark_stopped_before_training, passed_on_to_ranks
+from hydraloop.preemption import STOP_SIGNALS, loops_entered, stop_at_once
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -73,8 +73,10 @@ def forkable() -> str | None:
     return None
 
 
-# The launcher's process id, in the launcher and in the ranks it forks (a spawned rank imports this module afresh).
+# The launcher's process id, in the launcher and in the ranks it forks (a spawned rank imports this module afresh),
+# and its temporary folder before launch_ranks gave the agent one of its own (which a forked rank takes back).
 _forked_by: int | None = None
+_tempdir: str | None = None
 
 
 def launch_ranks(
@@ -87,7 +89,38 @@ def launch_ranks(
 ) -> T:
     """`worker(*args)` in `nproc_per_node` ranks that torch.distributed.elastic starts (hydraloop.parallel.ddp's
     DDPStrategy says how), and rank 0's result; a rank's failure and a stop signal end as hydraloop's errors.
-    `start_method`: spawn or fork (parallel.start_method, resolved)."""
+    `start_method`: spawn or fork (parallel.start_method, resolved).
+
+    The agent writes into a temporary folder of its own, removed when the ranks have ended, however they ended: its
+    logs and the ranks' error files (`torchelastic_*` and, from torch.multiprocessing, `pytorch-errorfile-*`, which
+    the agent would leave in the system's temporary folder), and the ranks' stops before training
+    (hydraloop.parallel.rank_stops)."""
+    with tempfile.TemporaryDirectory(prefix="hydraloop-ranks-") as folder, _temporary_files_in(folder):
+        return _launch(nproc_per_node, max_restarts, shutdown_timeout_s, start_method, Path(folder), worker, *args)
+
+
+@contextmanager
+def _temporary_files_in(folder: str) -> Iterator[None]:
+    """The launcher's temporary files in `folder` while it lasts: torch.multiprocessing names each rank's error file
+    in the temporary folder (tempfile's), and elastic never removes it. A forked rank takes the folder it replaced
+    back (`_start_as_a_spawned_rank`): a rank's own temporary files are the user's."""
+    global _tempdir
+    _tempdir, tempfile.tempdir = tempfile.tempdir, folder  # None: from the environment (TMPDIR), at its next use
+    try:
+        yield
+    finally:
+        tempfile.tempdir, _tempdir = _tempdir, None
+
+
+def _launch(
+    nproc_per_node: int,
+    max_restarts: int,
+    shutdown_timeout_s: float,
+    start_method: str,
+    folder: Path,
+    worker: Callable[..., T],
+    *args,
+) -> T:
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -101,17 +134,26 @@ def launch_ranks(
         # What ends the ranks at once (Ctrl-C's SIGINT); the stop signals are passed on by passed_on_to_ranks.
         signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
         shutdown_timeout=int(shutdown_timeout_s),  # how long the ranks get to end on SIGINT before SIGKILL
+        logs_specs=DefaultLogsSpecs(log_dir=str(folder / "agent")),
     )
     if start_method == "fork":
         global _forked_by
         _forked_by = os.getpid()
     # The agent reports each rank's failure with a full traceback; the worker has already logged it.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    with passed_on_to_ranks(shutdown_timeout_s) as passed_on:
+    marks = folder / "stopped"
+    marks.mkdir()
+    with passed_on_to_ranks(shutdown_timeout_s, marks) as passed_on:
         try:
             # {rank: result}; ranks agree, rank 0 speaks
-            result = elastic_launch(config, run_rank)(worker, *args)[0]
+            result = elastic_launch(config, run_rank)(str(marks), worker, *args)[0]
         except SignalException as stop:
+            if passed_on.cut_short:  # a rank stopped, or ended, before its training: no checkpoint came of it
+                raise Interrupted(
+                    passed_on.signum,
+                    f"while the ranks were starting, before training, without a checkpoint ({passed_on.cut_short}; "
+                    "the others were ended)",
+                ) from None
             if passed_on.signum:  # the ranks had not ended parallel.shutdown_timeout_s after it: killed
                 raise Interrupted(
                     passed_on.signum,
@@ -124,7 +166,7 @@ def launch_ranks(
         except ChildFailedError as failed:
             rank, failure = _first_failure(failed)
             if passed_on.signum and failure.exitcode == -passed_on.signum:  # a rank still starting, not yet listening
-                where = f"(passed on to the ranks; rank {rank} had not started training and ended at once)"
+                where = f"while the ranks were starting, before training, without a checkpoint (rank {rank} ended)"
                 raise Interrupted(passed_on.signum, where) from None
             message = failure.message.get("message") if isinstance(failure.message, dict) else failure.message
             if str(message).startswith("ConfigError: "):  # bad input only a rank could see, e.g. in a data file
@@ -160,32 +202,38 @@ def _first_failure(failed: ChildFailedError) -> tuple[int, ProcessFailure]:
     return int(first), ProcessFailure(local_rank=int(first), pid=0, exitcode=1, error_file=str(written[first]))
 
 
-@dataclass(frozen=True)
-class Stopped:
-    """What a spawned rank that a stop signal ended returns: a result, not a failure, which the agent would restart
-    (parallel.max_restarts) where the signal asked the job to stop. `where`: Interrupted's message after the signal."""
-
-    signum: int
-    where: str
-
-
-def run_rank(worker: Callable[..., T], *args) -> T | Stopped:
+def run_rank(stop_marks: str, worker: Callable[..., T], *args) -> T | Stopped:
     """A rank: `worker(*args)`. Before and after the training loop's own handling of stop signals
     (hydraloop.preemption.StopRequest), one ends the rank through Interrupted too (stop_at_once), not by the signal's
-    default, which the agent would take for a failed rank."""
+    default, which the agent would take for a failed rank; one before its training is marked in `stop_marks` for the
+    launcher (hydraloop.parallel.rank_stops)."""
     if _forked_by == os.getppid():
         _start_as_a_spawned_rank()
+    _multiprocessing_files_in(Path(stop_marks).parent)
+    loops_before = loops_entered()
     with stop_at_once():
         try:
             result = worker(*args)
         except Interrupted as stop:
             result = Stopped(stop.signum, str(stop).removeprefix(f"stopped by {signal.Signals(stop.signum).name} "))
+            if loops_entered() == loops_before:
+                mark_stopped_before_training(stop_marks)
         # The rank's work is done; a stop signal passed on from now (the launcher's comes asynchronously, and may
         # reach a rank that finished first) has nothing left to stop, while its default would end the process as a
         # failed rank as it hands its result to the agent.
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
         return result
+
+
+def _multiprocessing_files_in(folder: Path) -> None:
+    """This rank's multiprocessing folder (where its data loaders' fork server listens) in the launcher's `folder`,
+    which the launcher removes however the rank ended: one in the temporary folder (pymp-*) outlived a killed rank."""
+    user, tempfile.tempdir = tempfile.tempdir, str(folder)
+    try:
+        multiprocessing.util.get_temp_dir()  # made once per process, and kept
+    finally:
+        tempfile.tempdir = user
 
 
 def _start_as_a_spawned_rank() -> None:
@@ -195,7 +243,9 @@ def _start_as_a_spawned_rank() -> None:
     logger's last row and status on failure, the process group's teardown). A forked process ends with os._exit,
     which skips atexit; multiprocessing runs its own finalizers then, after torch has recorded the rank's result or
     error, and one of them now runs atexit's handlers (through a private function: the module has no public one).
-    The launcher's weakref finalizers are its own objects' (a temporary folder) and stay its own."""
+    The launcher's weakref finalizers are its own objects' (a temporary folder) and stay its own, as does the agent's
+    temporary folder: tempfile's is the launcher's usual one again."""
+    tempfile.tempdir = _tempdir
     for sig in (*STOP_SIGNALS, signal.SIGHUP, signal.SIGQUIT, signal.SIGALRM):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -208,51 +258,3 @@ def _start_as_a_spawned_rank() -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Leaking Caffe2 thread-pool after fork")  # what it says it does
         torch.set_num_threads(torch.get_num_threads())
-
-
-@contextmanager
-def passed_on_to_ranks(shutdown_timeout_s: float) -> Iterator[StopRequest]:
-    """The launcher of spawned ranks, while they run: a stop signal (hydraloop.preemption.STOP_SIGNALS) is passed on
-    to its child processes, the ranks, and the agent goes on watching them. So the ranks decide together what it
-    means, as they do under every strategy: a checkpoint where they next meet, then a stop; or, where the last step's
-    meeting has passed, the run's end (its validation, checkpoint and metrics.json), and exit 0. (The agent's own
-    handling shuts the ranks down at once and drops what they return: a rank that finished waited for its SIGKILL.)
-
-    Ranks still running `shutdown_timeout_s` after the first signal are ended as the agent ends them on its own
-    signals: its handler's SignalException, here SIGKILL's, makes it kill them, with no restart. A signal that finds
-    no rank running (none started yet) is the agent's at once, as SignalException too. Yields a StopRequest holding
-    the first signal passed on."""
-    passed_on = StopRequest()
-    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
-        yield passed_on
-        return
-
-    launcher = os.getpid()
-
-    def pass_on(signum: int, frame: FrameType | None) -> None:
-        if os.getpid() != launcher:  # a forked rank, before it set its own handlers: ended as a spawned one would be
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        ranks = multiprocessing.active_children()  # the agent starts the ranks as this process's children
-        if not ranks:
-            raise SignalException(f"got {signal.Signals(signum).name} with no rank running", signal.Signals(signum))
-        for rank in ranks:
-            with suppress(ProcessLookupError):  # ended meanwhile
-                os.kill(rank.pid, signum)
-        if not passed_on.signum:
-            passed_on.signum = signum
-            log.info("got %s: passed on to the ranks", signal.Signals(signum).name)
-            signal.setitimer(signal.ITIMER_REAL, shutdown_timeout_s)
-
-    def out_of_time(signum: int, frame: FrameType | None) -> None:
-        raise SignalException("the ranks did not stop in time", signal.SIGKILL)
-
-    previous = {sig: signal.signal(sig, pass_on) for sig in STOP_SIGNALS}
-    previous[signal.SIGALRM] = signal.signal(signal.SIGALRM, out_of_time)
-    try:
-        yield passed_on
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

@@ -1,0 +1,128 @@
+"""Stop signals to the launcher of spawned ranks (hydraloop.parallel.spawned_ranks), and how the ranks' ends are read.
+
+The launcher passes a stop signal on to its ranks, which decide together what it means, as under every strategy
+(hydraloop.preemption): a checkpoint where they next meet, then a stop; or, past the last step's meeting, the run's
+end and exit 0. A rank that a stop ends returns that as its result (`Stopped`), not as a failure, which the agent
+would restart (parallel.max_restarts) where the signal asked the job to stop.
+
+Ranks meet only in training. A rank that the signal ends before its training started (in its set-up: joining the
+process group, building, wrapping, resuming) or before it could take the signal at all (still starting) leaves its
+peers waiting for it, in C++ where no signal reaches them (a store or gloo connect, DDP's check of the parameters,
+the first step's all-reduce) until their timeout (parallel.timeout_s), and the launcher until
+parallel.shutdown_timeout_s. No checkpoint can come of such a start: the launcher gives the others `GRACE_S` to
+hand in their own stop, then kills them, and reports the stop without pointing at a checkpoint.
+"""
+
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+
+from torch.distributed.elastic.multiprocessing import SignalException
+
+from hydraloop.preemption import STOP_SIGNALS
+
+log = logging.getLogger(__name__)
+
+GRACE_S = 1.0
+"""After a rank stopped before its training: the other ranks' time to hand in their own stop before they are
+killed (they got the signal too; one in Python code stops in milliseconds)."""
+WATCH_INTERVAL_S = 0.1
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """What a rank that a stop signal ended returns: a result, not a failure. `where`: Interrupted's message after
+    the signal's name."""
+
+    signum: int
+    where: str
+
+
+def mark_stopped_before_training(marks: str | Path) -> None:
+    """Tells the launcher (`passed_on_to_ranks`) that this rank stopped before its training started: its peers may
+    wait for it where no signal reaches them."""
+    (Path(marks) / f"rank-{os.environ.get('RANK', '0')}").touch()
+
+
+@dataclass
+class PassedOn:
+    """The launcher's record of the stop signals it passed on. `signum`: the first (0: none yet)."""
+
+    signum: int = 0
+    ranks: list[multiprocessing.Process] = field(default_factory=list)
+    cut_short: str = ""
+    """Why the ranks were killed before parallel.shutdown_timeout_s: a rank stopped, or ended, before training."""
+    _deadline: float = 0.0
+    _kill_at: float | None = None
+
+
+@contextmanager
+def passed_on_to_ranks(shutdown_timeout_s: float, marks: Path) -> Iterator[PassedOn]:
+    """The launcher of spawned ranks, while they run: a stop signal (hydraloop.preemption.STOP_SIGNALS) is passed on
+    to its child processes, the ranks, and the agent goes on watching them. (The agent's own handling shuts the ranks
+    down at once and drops what they return: a rank that finished waited for its SIGKILL.)
+
+    From the first signal on, the ranks are watched: they are ended, as the agent ends them on its own signals (its
+    handler's SignalException, here SIGKILL's, makes it kill them, with no restart), `shutdown_timeout_s` after it,
+    or once a rank stopped before its training (a file in `marks`, `mark_stopped_before_training`; `GRACE_S` later)
+    or ended with an error (at once: the agent would stop the others and wait 30 s for one stuck in C++, or restart
+    them). A signal that finds no rank running (none started yet) is the agent's at once, as SignalException too."""
+    passed_on = PassedOn()
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield passed_on
+        return
+
+    launcher = os.getpid()
+
+    def pass_on(signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != launcher:  # a forked rank, before it set its own handlers: ended as a spawned one would be
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        ranks = multiprocessing.active_children()  # the agent starts the ranks as this process's children
+        if not ranks:
+            raise SignalException(f"got {signal.Signals(signum).name} with no rank running", signal.Signals(signum))
+        for rank in ranks:
+            with suppress(ProcessLookupError):  # ended meanwhile
+                os.kill(rank.pid, signum)
+        passed_on.ranks = ranks
+        if not passed_on.signum:
+            passed_on.signum = signum
+            passed_on._deadline = time.monotonic() + shutdown_timeout_s
+            log.info("got %s: passed on to the ranks", signal.Signals(signum).name)
+            signal.setitimer(signal.ITIMER_REAL, WATCH_INTERVAL_S, WATCH_INTERVAL_S)
+
+    def watch(signum: int, frame: FrameType | None) -> None:
+        now = time.monotonic()
+        if now >= passed_on._deadline:
+            kill("the ranks did not stop in time")
+        if passed_on._kill_at is None:
+            ended = [rank.exitcode for rank in passed_on.ranks if rank.exitcode not in (None, 0)]
+            if ended:
+                passed_on.cut_short, passed_on._kill_at = f"a rank ended at once (exit code {ended[0]})", now
+            elif stopped := sorted(path.name for path in marks.iterdir()):
+                passed_on.cut_short = f"{stopped[0].replace('-', ' ')} stopped before its training"
+                passed_on._kill_at = now + GRACE_S
+        if passed_on._kill_at is not None and now >= passed_on._kill_at:
+            kill(passed_on.cut_short)
+
+    def kill(why: str) -> None:
+        signal.setitimer(signal.ITIMER_REAL, 0)  # once: a second raise would cut the agent's kill short
+        raise SignalException(why, signal.SIGKILL)
+
+    previous = {sig: signal.signal(sig, pass_on) for sig in STOP_SIGNALS}
+    previous[signal.SIGALRM] = signal.signal(signal.SIGALRM, watch)
+    try:
+        yield passed_on
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
