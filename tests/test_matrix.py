@@ -30,7 +30,7 @@ from hydraloop.precision import Precision
 from hydraloop.predict import load_inputs
 
 AXES = {
-    "model": ["mlp", "gpt", "gpt2", "opt", "gan"],
+    "model": ["mlp", "gpt", "gpt2", "opt", "gan", "gpt2_lora"],
     "strategy": ["single", "ddp", "fsdp", "fsdp_noreshard", "hsdp"],
     "recompute": ["none", "activation_checkpointing", "hf_gradient_checkpointing"],
     "checkpoint": ["full", "sharded", "async"],
@@ -43,7 +43,7 @@ AXES = {
 
 # Tokens a sample. GPT-2's pass 2 x hydraloop.keyed_attention.BLOCK: its attention with dropout runs a block of
 # queries at a time; OPT's take the explicit attention.
-BLOCKS = {"gpt": 16, "gpt2": 264, "opt": 16}
+BLOCKS = {"gpt": 16, "gpt2": 264, "opt": 16, "gpt2_lora": 16}
 TEXT = ["data=text", "task=language_model"]
 MODELS = {
     "mlp": ["data=synthetic", "data.input_shape=[8]", "data.num_classes=4", "model=mlp", "model.hidden_sizes=[16]"]
@@ -57,8 +57,13 @@ MODELS = {
     + ["+model.config.hidden_size=16", "+model.config.word_embed_proj_dim=16", "+model.config.num_attention_heads=2"]
     + ["+model.config.ffn_dim=32", "+model.config.max_position_embeddings=32"],
     "gan": ["experiment=ring_gan", "model.hidden_sizes=[16]"],
+    # peft's LoRA adapters on GPT-2's attention and projections (its Conv1D layers), their dropout keyed; the model
+    # frozen, its own dropout (0.1) keyed still.
+    "gpt2_lora": [*TEXT, "data.block_size=16", "model=hf", "model.model_type=gpt2", "+model.config.n_layer=1"]
+    + ["+model.config.n_embd=16", "+model.config.n_head=2", "+model.config.n_positions=16"]
+    + ["model.lora={r: 4, alpha: 8, dropout: 0.1, target_modules: [c_attn, c_proj]}"],
 }
-HF = ("gpt2", "opt")
+HF = ("gpt2", "opt", "gpt2_lora")
 STRATEGIES = {
     "single": ["parallel=single"],
     "ddp": ["parallel=ddp", "parallel.nproc_per_node=2"],
