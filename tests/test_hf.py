@@ -315,3 +315,14 @@ def test_a_missing_extra_is_one_line_naming_it(monkeypatch):
 
 
 EXTRAS = ("transformers", "datasets", "timm", "torchmetrics", "peft")
+
+
+def test_a_lora_classifier_trains_its_fresh_head_in_full():
+    from hydraloop.models.hf import hf_model
+
+    config = {"n_layer": 1, "n_embd": 16, "n_head": 2, "n_positions": 32, "pad_token_id": 0}
+    model = hf_model("AutoModelForSequenceClassification", model_type="gpt2", config=config, num_labels=3, lora={})
+    trained = [name for name, param in model.named_parameters() if param.requires_grad]
+    adapted = "base_model.model.transformer.h.0.attn.c_attn"  # peft's default for GPT-2: its attention's c_attn
+    head = "base_model.model.score.modules_to_save.default.weight"  # peft's trainable copy of the head
+    assert trained == [f"{adapted}.lora_A.default.weight", f"{adapted}.lora_B.default.weight", head]
