@@ -25,8 +25,13 @@ from torch import nn
 from hydraloop.errors import ConfigError, first_line, require
 
 # model.lora's keys: what each becomes in peft's LoraConfig.
-KEYS = {"r": "r", "alpha": "lora_alpha", "dropout": "lora_dropout", "target_modules": "target_modules"}
-KEYS |= {"modules_to_save": "modules_to_save"}
+KEYS = {
+    "r": "r",
+    "alpha": "lora_alpha",
+    "dropout": "lora_dropout",
+    "target_modules": "target_modules",
+    "modules_to_save": "modules_to_save",
+}
 # peft's task types for the auto classes it has a model class for; it then knows their heads (a sequence
 # classifier's `score` or `classifier`, trained in full) and their forward arguments. Other classes: peft's PeftModel.
 TASK_TYPES = {
@@ -36,7 +41,8 @@ TASK_TYPES = {
     "AutoModelForQuestionAnswering": "QUESTION_ANS",
     "AutoModelForSeq2SeqLM": "SEQ_2_SEQ_LM",
 }
-# The layers LoRA adapts: torch's and transformers' GPT-2-style Conv1D (a Linear with its weight transposed).
+# The layers LoRA adapts, by class name: torch's Linear, Conv2d and Embedding, and transformers' Conv1D (GPT-2's
+# Linear, its weight transposed).
 ADAPTABLE = ("Linear", "Conv1D", "Conv2d", "Embedding")
 
 
@@ -66,7 +72,7 @@ def add_lora(model: nn.Module, lora: Mapping[str, Any], auto_class: str) -> nn.M
         names = adaptable_names(model)
         closest = difflib.get_close_matches(str((targets or [""])[0]), names, n=3, cutoff=0.5)
         raise ConfigError(
-            f"model.lora.target_modules={targets if targets is None else list(targets)}: peft cannot adapt "
+            f"model.lora.target_modules={targets if targets is not None else 'null'}: peft cannot adapt "
             f"{type(model).__name__}: {first_line(error)} (its layers LoRA can adapt are named "
             f"{', '.join(closest or names[:8])}{' ...' if not closest and len(names) > 8 else ''})"
         ) from None
