@@ -7,7 +7,8 @@ The folder holds what `save_pretrained` writes (config.json, model.safetensors) 
 encoded with, as a transformers tokenizer: data=tokens' BPE or Hugging Face tokenizer itself; data=text's characters
 (or bytes) as a tokenizer of one character (byte) per token with the same ids; the pretrained folder's own tokenizer
 where the data was tokenized by it. The model is rebuilt as transformers builds it (its own dropout and attention:
-hydraloop's keyed ones hold no weights), the checkpoint's weights loaded into it, and the export is read back with
+hydraloop's keyed ones hold no weights), the checkpoint's weights loaded into it (model.lora's adapters then merged
+into the weights they adapt: the folder holds a plain model), and the export is read back with
 `from_pretrained` and must give the checkpoint's logits, or nothing is left behind. The folder is written under a
 temporary name and renamed: an existing folder is never overwritten. Bad input is one line on stderr and exit 2.
 """
@@ -57,6 +58,9 @@ def export(checkpoint_path: Path, out: Path) -> float:
     # dropout and attention.
     model = instantiate(config["model"], read_weights=False, keyed_dropout=False).eval()
     model.load_state_dict(checkpoint["model"])
+    expected = _logits(model)
+    if config["model"].get("lora") is not None:  # LoRA's adapters added into the weights they adapt: a plain model
+        model = model.merge_and_unload()
     tokenizer = _tokenizer(config, transformers, str(checkpoint_path))
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -65,7 +69,7 @@ def export(checkpoint_path: Path, out: Path) -> float:
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
         auto_class = getattr(transformers, config["model"]["auto_class"])  # as a user loads it
-        difference = _logit_difference(model, auto_class.from_pretrained(staging).eval())
+        difference = (_logits(auto_class.from_pretrained(staging).eval()) - expected).abs().max().item()
         if difference > 1e-5:  # not bad input: an export that would not be the checkpoint's model
             raise RuntimeError(f"{checkpoint_path}: the export's logits differ from the checkpoint's by {difference}")
         if out.exists():
@@ -130,12 +134,13 @@ def byte_stand_ins() -> dict[int, str]:
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
 
 
-def _logit_difference(model: torch.nn.Module, reloaded: torch.nn.Module) -> float:
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    """The model's logits for two fixed rows of ids: the checkpoint's and the export's must match."""
     config = model.config
     length = min(8, getattr(config, "max_position_embeddings", 8) or 8)
     ids = torch.randint(0, config.vocab_size, (2, length), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        return (model(input_ids=ids).logits - reloaded(input_ids=ids).logits).abs().max().item()
+        return model(input_ids=ids).logits
 
 
 if __name__ == "__main__":

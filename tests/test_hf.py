@@ -9,7 +9,7 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from conftest import REPO, max_param_diff
+from conftest import REPO, bad_input_line, max_param_diff
 from hydraloop.data.codec import Codec
 from hydraloop.errors import BAD_INPUT_EXIT_CODE, ConfigError
 
@@ -75,6 +75,57 @@ def test_stopped_then_rerun_equals_uninterrupted(run_train, single):
     assert max_param_diff(checkpoint["model"], single.checkpoint()["model"]) < 1e-6
     # GPT-2 ties its output layer to the token embedding; the checkpoint's two keys must still be one tensor's values.
     assert torch.equal(checkpoint["model"]["lm_head.weight"], checkpoint["model"]["transformer.wte.weight"])
+
+
+# LoRA on the tiny GPT-2, its own dropout off: what dropout there is is LoRA's, on each adapter's input.
+LORA = [
+    *TINY_GPT2,
+    "+model.config.resid_pdrop=0",
+    "+model.config.embd_pdrop=0",
+    "+model.config.attn_pdrop=0",
+    "trainer.limit_val_batches=2",
+]
+
+
+def lora(dropout: float) -> str:
+    return f"model.lora={{r: 4, alpha: 8, dropout: {dropout}, target_modules: [c_attn, c_fc]}}"
+
+
+def test_lora_trains_its_adapters_alone_with_keyed_dropout(run_train, train_env, tmp_path):
+    """The weights LoRA freezes end as they started, to the bit; its dropout is on (another end than without) and
+    keyed (ddp ends where single does). Every other strategy, the uneven last batch and the resume: test_matrix.py's
+    gpt2_lora cases, and scripts/check_exact.py's table in docs/make-it-yours.md."""
+    from hydraloop.seeding import seed_everything
+
+    single = run_train(*LORA, lora(0.1))
+    assert single.returncode == 0, single.output
+    trained = single.checkpoint()
+    seed_everything(trained["config"]["seed"])  # as each rank builds it (hydraloop.build)
+    start = instantiate(trained["config"]["model"]).state_dict()
+    adapters = [key for key in start if ".lora_" in key]
+    assert len(adapters) == 4 and len(trained["optimizer"]["param_groups"][0]["params"]) == 4
+    for key, value in start.items():
+        if key not in adapters:
+            assert torch.equal(trained["model"][key], value), key
+    assert min((trained["model"][key] - start[key]).abs().max() for key in adapters) > 1e-4
+    # Exported, the adapters are merged into a plain GPT-2 that gives the checkpoint's logits (export_hf checks them).
+    command = [sys.executable, str(REPO / "scripts" / "export_hf.py"), str(single.run_dir / "checkpoints" / "last.pt")]
+    export = subprocess.run([*command, str(tmp_path / "merged")], env=train_env, capture_output=True, text=True)
+    assert export.returncode == 0, export.stderr
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert type(merged).__name__ == "GPT2LMHeadModel" and not any("lora" in key for key in merged.state_dict())
+    without_dropout = run_train(*LORA, lora(0.0))
+    assert without_dropout.returncode == 0, without_dropout.output
+    assert max_param_diff(without_dropout.checkpoint()["model"], trained["model"]) > 1e-4
+    ddp = run_train(*LORA, lora(0.1), "parallel=ddp", "parallel.nproc_per_node=2")
+    assert ddp.returncode == 0, ddp.output
+    assert max_param_diff(ddp.checkpoint()["model"], trained["model"]) < TOLERANCE
+
+
+def test_bad_lora_settings_are_one_line_before_any_rank_starts(run_refused):
+    line = bad_input_line(run_refused(*LORA, "model.lora={r: 4, target_modules: [c_atn]}", "parallel=ddp"))
+    expected = "model.lora.target_modules=['c_atn']: peft cannot adapt GPT2LMHeadModel: Target modules {'c_atn'} not"
+    assert expected in line and "(its layers LoRA can adapt are named c_attn)" in line
 
 
 RECOMPUTED = {  # tiny models with their dropout on: all of GPT-2's is in modules, all of OPT's in function calls
@@ -217,6 +268,18 @@ def test_bytes_export_as_a_tokenizer_of_one_byte_per_token():
             "model: Unrecognized configuration class",
         ),
         ({"name_or_path": "CONFIG_ONLY"}, "the folder has a config.json but no weights (model.safetensors"),
+        ({"model_type": "gpt2", "lora": {"r": 0}}, "model.lora.r=0: must be a positive integer"),
+        (
+            {"model_type": "gpt2", "lora": {"dropuot": 0.1}},
+            "model.lora.dropuot: not a LoRA setting (did you mean dropout?)",
+        ),
+        ({"model_type": "gpt2", "lora": {"dropout": 1.0}}, "model.lora.dropout=1.0: must be in [0, 1)"),
+        ({"model_type": "gpt2", "lora": {"alpha": -1}}, "model.lora.alpha=-1: must be a positive number"),
+        ({"model_type": "gpt2", "lora": {"target_modules": "c_attn"}}, "model.lora.target_modules=c_attn: must be"),
+        (
+            {"model_type": "gpt2", "lora": {"target_modules": ["mlp"]}},
+            "model.lora.target_modules=['mlp']: peft cannot adapt GPT2LMHeadModel:",
+        ),
     ],
 )
 def test_what_it_cannot_build_is_one_line(arguments, expected, tmp_path):
@@ -235,6 +298,7 @@ def test_a_missing_extra_is_one_line_naming_it(monkeypatch):
 
     from hydraloop.huggingface import import_datasets, import_transformers
     from hydraloop.metrics import MetricSet
+    from hydraloop.models.hf_lora import import_peft
     from hydraloop.models.timm_model import import_timm
 
     real = importlib.util.find_spec
@@ -243,10 +307,22 @@ def test_a_missing_extra_is_one_line_naming_it(monkeypatch):
         (import_transformers, "hf"),
         (import_datasets, "hf"),
         (import_timm, "timm"),
+        (import_peft, "peft"),
         (lambda: MetricSet({"f1": {"_target_": "torchmetrics.F1Score"}}, torch.device("cpu")), "metrics"),
     ):
         with pytest.raises(ConfigError, match=rf"pip install 'hydraloop\[{extra}\]'"):
             load()
 
 
-EXTRAS = ("transformers", "datasets", "timm", "torchmetrics")
+EXTRAS = ("transformers", "datasets", "timm", "torchmetrics", "peft")
+
+
+def test_a_lora_classifier_trains_its_fresh_head_in_full():
+    from hydraloop.models.hf import hf_model
+
+    config = {"n_layer": 1, "n_embd": 16, "n_head": 2, "n_positions": 32, "pad_token_id": 0}
+    model = hf_model("AutoModelForSequenceClassification", model_type="gpt2", config=config, num_labels=3, lora={})
+    trained = [name for name, param in model.named_parameters() if param.requires_grad]
+    adapted = "base_model.model.transformer.h.0.attn.c_attn"  # peft's default for GPT-2: its attention's c_attn
+    head = "base_model.model.score.modules_to_save.default.weight"  # peft's trainable copy of the head
+    assert trained == [f"{adapted}.lora_A.default.weight", f"{adapted}.lora_B.default.weight", head]

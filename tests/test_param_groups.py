@@ -92,3 +92,16 @@ def test_a_submodule_called_module_is_not_taken_for_a_wrapper():
     assert sum(len(group["params"]) for group in optimizer.param_groups) == 4
     model_state, _ = strategy.state_dicts(model, {"": optimizer})()
     assert set(model_state) == {"module.weight", "module.bias", "head.weight", "head.bias"}
+
+
+def test_frozen_parameters_are_in_no_group():
+    # model=hf's LoRA freezes the model: its weights must take no optimizer state, no decay, no part of a pattern's
+    # match (a pattern matching only frozen weights is refused like one matching nothing).
+    cfg = compose_train("optimizer.no_weight_decay=true", "optimizer.lr_scales=[[net.1.*,0.1]]")
+    model = instantiate(cfg.model)
+    model.net[1].requires_grad_(False)
+    optimizer = build_optimizer(cfg.optimizer, model)
+    trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert trained == {id(p) for p in model.parameters() if p.requires_grad} and trained
+    with pytest.raises(ConfigError, match=r"^optimizer.lr_scales: the pattern 'net.1.\*' matches no parameter"):
+        check_parameter_groups(cfg.optimizer, model)

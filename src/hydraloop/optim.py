@@ -3,7 +3,8 @@
 The node is one optimizer (it has a `_target_`), over every parameter; or several by name, `optimizer.<name>`, each
 a node of its own with `modules`, the names of the submodules whose parameters it trains (a GAN's `[generator]` and
 `[discriminator]`), and optionally a `scheduler` node of its own (else it follows the run's `scheduler`). Every
-parameter belongs to exactly one of them. Internally one optimizer is named "".
+parameter belongs to exactly one of them. Internally one optimizer is named "". A parameter that does not require
+gradients (frozen: model=hf's weights under LoRA adapters) belongs to none.
 
 Besides its optimizer's own arguments, the node may hold the keys below, which hydraloop reads and the optimizer
 never sees:
@@ -103,12 +104,12 @@ def parameter_groups(model: nn.Module, node: Any) -> list[dict[str, Any]]:
 
 
 def trained_parameters(model: nn.Module, node: Any) -> list[tuple[str, nn.Parameter]]:
-    """The named parameters an optimizer's node trains: all of `model`'s, or those of its `modules`."""
+    """The named parameters an optimizer's node trains: all of `model`'s, or those of its `modules`; of those, the
+    ones that require gradients (a frozen parameter, e.g. under model.lora, has no optimizer state, and no weight
+    decay moves it)."""
     modules = node.get("modules") if OmegaConf.is_dict(node) or isinstance(node, dict) else None
-    if modules is None:
-        return list(model.named_parameters())
-    prefixes = tuple(f"{module}." for module in modules)
-    return [(name, param) for name, param in model.named_parameters() if name.startswith(prefixes)]
+    prefixes = tuple(f"{module}." for module in modules) if modules is not None else ("",)
+    return [(n, param) for n, param in model.named_parameters() if param.requires_grad and n.startswith(prefixes)]
 
 
 def check_optimizers(node: Any, model: nn.Module) -> None:
@@ -121,7 +122,7 @@ def check_optimizers(node: Any, model: nn.Module) -> None:
             _check_part(name, sub, model, claimed)
         check_parameter_groups(sub, model, config_key(name))
     if "" not in nodes:
-        unclaimed = [name for name, _ in model.named_parameters() if name not in claimed]
+        unclaimed = [name for name, param in model.named_parameters() if param.requires_grad and name not in claimed]
         require(
             not unclaimed,
             f"optimizer: no optimizer trains {', '.join(unclaimed[:3])}{' ...' if len(unclaimed) > 3 else ''}: "

@@ -11,6 +11,9 @@ Dropout. `keyed_dropout=true` (the default) keys every dropout mask of the model
 models do, so that single-process training, ddp and accumulation train the same weights
 (hydraloop.models.hf_keyed_dropout). `gradient_checkpointing=true` recomputes with the forward's keys.
 
+LoRA. `lora={r: 8, alpha: 16, dropout: 0.1}` (the `peft` extra) freezes the model and trains LoRA adapters, peft's,
+their dropout keyed too (hydraloop.models.hf_lora).
+
 In training the model keeps no cache of keys and values: nothing reads it there, and a block that an activation
 checkpoint recomputes (trainer.activation_checkpointing) would append its keys and values to it a second time.
 """
@@ -29,6 +32,7 @@ from torch import Tensor, nn
 from hydraloop.errors import ConfigError, first_line, require
 from hydraloop.huggingface import import_transformers, is_local_path, load_tokenizer
 from hydraloop.models.hf_keyed_dropout import KEYED_ATTENTION, register_keyed_attention, use_keyed_dropout
+from hydraloop.models.hf_lora import add_lora, base_model
 from hydraloop.row_keys import same_masks_in_recompute
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # what from_pretrained reads (either may be sharded)
@@ -50,6 +54,7 @@ def hf_model(
     keyed_dropout: bool = True,
     gradient_checkpointing: bool = False,
     read_weights: bool = True,
+    lora: Mapping[str, Any] | None = None,
 ) -> nn.Module:
     """The transformers model `auto_class` names, from `name_or_path` (its weights) or `model_type` (fresh). With
     fresh weights, `vocab_size` (the data's) sizes the embeddings unless `config` sets it; `num_labels` goes to the
@@ -58,7 +63,8 @@ def hf_model(
     (data=hf's) against its vocabulary, and its padding token becomes the config's (a GPT-2 classifier reads each
     row's last token before the padding). `read_weights=False` builds the architecture these settings build, with
     fresh weights and nothing read but `name_or_path`'s config: the model a checkpoint of them holds the weights of
-    (from_config would size a pretrained model's embeddings for the data, not as they were trained)."""
+    (from_config would size a pretrained model's embeddings for the data, not as they were trained). `lora`: peft's
+    LoRA adapters on the frozen model (hydraloop.models.hf_lora), returned inside peft's wrapper."""
     transformers = import_transformers()
     auto = _auto_class(transformers, auto_class)
     overrides = dict(config or {})
@@ -108,6 +114,8 @@ def hf_model(
         fresh_keys = [*loading.get("missing_keys", []), *(key for key, *_ in loading.get("mismatched_keys", []))]
         if fresh_keys:  # a classifier's new head, say: what transformers' own warning would say
             log.info("model.name_or_path=%s: loaded all but %s, which start fresh", name_or_path, ", ".join(fresh_keys))
+    if lora is not None:  # before the keyed dropout, which then keys LoRA's dropout too
+        model = add_lora(model, lora, auto_class)
     if keyed_dropout:
         use_keyed_dropout(model)
     take_batches_of_no_rows(model)
@@ -126,7 +134,7 @@ def hf_model(
 def train_without_cache(model: nn.Module) -> None:
     """In training (with gradients), `model` is called with use_cache=False, as transformers does for its own
     gradient checkpointing: a recomputed block would append its keys and values to the cache a second time."""
-    if "use_cache" not in inspect.signature(model.forward).parameters:  # an encoder, say: it keeps no cache
+    if "use_cache" not in inspect.signature(base_model(model).forward).parameters:  # an encoder, say: it keeps no cache
         return
 
     def before(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -257,9 +265,10 @@ def _check_sizes(config: Any, vocab_size: int | None, lengths: dict[str, int | N
 
 
 def is_transformers_model(model: nn.Module) -> bool:
-    """Whether `model` is a transformers model: never, where nothing has imported transformers."""
+    """Whether `model` is a transformers model (or one inside peft's wrapper): never, where nothing has imported
+    transformers."""
     transformers = sys.modules.get("transformers")
-    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
+    return transformers is not None and isinstance(base_model(model), transformers.PreTrainedModel)
 
 
 def generate(
