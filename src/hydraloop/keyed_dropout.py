@@ -78,9 +78,13 @@ def keyed_dropout(x: Tensor, p: float, key_term: int) -> Tensor:
     else plain F.dropout. `key_term` is `mix_int` of the layer's key (KeyedDropout's; models/hf_keyed_dropout.py's
     for attention weights; the call's for functional dropout)."""
     keys = current_rows()
-    if keys is None or not len(keys[0]):  # none set; or a micro-batch of no rows, which a model ran as a dummy row
+    if keys is None:  # outside the loop's rows
         return _torch_dropout(x, p, training=True)
     rows, step_key = keys
+    if not len(rows):
+        # A micro-batch of no rows, which a model may have run as a dummy row: its loss counts for nothing, and
+        # torch's dropout would draw from the generator even for no elements (the CPU's bernoulli takes a seed first).
+        return x
     shape = x.shape
     if shape[0] != len(rows):  # a model that flattened (rows, tokens) into one dimension: OPT's feed-forward
         if shape[0] % len(rows):
