@@ -30,10 +30,12 @@ def rows(output: str) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_a_shipped_experiment_passes_every_row(train_env):
-    check = check_exact(train_env, "experiment=digits_mlp")
+    """SimCLR: views drawn with keyed_random, a loss over the global batch (gathered; two passes under accumulation)."""
+    check = check_exact(train_env, "experiment=digits_simclr")
     assert check.returncode == 0, check.stdout + check.stderr
+    assert "Contrastive: a loss over the global batch: its rows are gathered over the ranks" in check.stdout
     lines = rows(check.stdout)
-    # digits_mlp's batch of 32 splits into 2 ranks x 2 micro-batches; the epoch is 2 batches and one of 3 rows.
+    # digits_simclr's batch of 256 splits into 2 ranks x 2 micro-batches; the epoch is 2 batches and one of 3 rows.
     assert list(lines) == [
         "single",
         "ddp, 2 ranks",
@@ -55,6 +57,10 @@ def test_a_model_whose_forward_depends_on_its_rank_fails_naming_the_parameter(tr
     line = rows(check.stdout)["ddp, 2 ranks"]
     # The logits of rank 1 are 1.1 times rank 0's: every gradient differs, the first layer's weight first.
     assert "FAIL" in line and "parameters: net.1.weight" in line, check.stdout
+    # No draw from a generator to name: the causes no run can see.
+    assert (
+        "ddp, 2 ranks: cause: no per-rank draw was seen" in check.stdout and "code that reads its rank" in check.stdout
+    )
 
 
 def test_the_check_refuses_a_command_hydra_cannot_compose(train_env):
