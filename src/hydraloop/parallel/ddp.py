@@ -231,6 +231,12 @@ class DDPStrategy(SingleDevice):
             dist.broadcast(buffer, src=0)
 
     def teardown(self) -> None:
+        # A gloo worker thread frees a finished collective's work object after Python has its result, taking the GIL
+        # to release its tensors; one still waiting for the GIL when the interpreter shuts down aborts the process
+        # ("terminate called without an active exception"; a torchrun rank, about 1 run in 10 on a busy 2-core
+        # machine under fsdp, whose group its device mesh keeps alive past destroy_process_group; seen once under
+        # ddp too, in a whole suite on 2 cores). A moment without the GIL lets those threads finish first.
+        time.sleep(0.05)
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -2,7 +2,6 @@
 that no device holds whole (built on the meta device, each rank allocating its own shards), and checkpoints in which
 each rank writes and reads its own shards, or one file that rank 0 gathers (hydraloop.parallel.fsdp_state)."""
 
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, suppress
 from pathlib import Path
@@ -116,13 +115,6 @@ class FSDPStrategy(DDPStrategy):
     def teardown(self) -> None:
         with suppress(Exception):  # a run ending on an error: its checkpoint in flight still completes or fails
             self.wait_for_checkpoint()
-        # A gloo worker thread frees a finished collective's work object after Python has its result, taking the GIL
-        # to release its tensors; one still waiting for the GIL when the interpreter shuts down aborts the process
-        # ("terminate called without an active exception"; a torchrun rank, about 1 run in 10 on a busy 2-core
-        # machine). DDP's process group is destroyed in teardown, joining those threads; FSDP's stays alive past
-        # destroy_process_group, held by its device mesh, which DTensor's caches keep (torch 2.14). A moment without
-        # the GIL lets its threads finish first.
-        time.sleep(0.05)
         super().teardown()
 
     def build(self, make_model: Callable[[], nn.Module]) -> nn.Module:
