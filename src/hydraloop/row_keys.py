@@ -69,20 +69,23 @@ def rows_of(rows: Tensor, step_key: Tensor) -> Iterator[None]:
         yield
 
 
+_FIELDS = ("active", "rows", "step_key", "source", "calls")
+
+
 @contextmanager
 def _state(active: bool, rows: Tensor | None, step_key: Tensor | None, source, calls: int | None) -> Iterator[None]:
-    outer = (current.active, current.rows, current.step_key, current.source, current.calls)
-    current.active, current.rows, current.step_key, current.source, current.calls = (
-        active,
-        rows,
-        step_key,
-        source,
-        calls,
-    )
+    """This thread's rows context (`_Rows`' fields, in `_FIELDS`' order) while it lasts; the outer one after."""
+    outer = [getattr(current, name) for name in _FIELDS]
+    _set([active, rows, step_key, source, calls])
     try:
         yield
     finally:
-        current.active, current.rows, current.step_key, current.source, current.calls = outer
+        _set(outer)
+
+
+def _set(values: list) -> None:
+    for name, value in zip(_FIELDS, values):
+        setattr(current, name, value)
 
 
 def same_masks_in_recompute() -> tuple[AbstractContextManager, AbstractContextManager]:
