@@ -26,7 +26,6 @@ def draws(world_size: int, rank: int, first_row: int, rows: int) -> dict[str, to
             "bernoulli": keyed.bernoulli(0.3, (rows, 5), key="mask"),
             "permutation": keyed.permutation(rows, 6, key="order"),
             "random_mask": keyed.random_mask(rows, 10, 0.3, key="mae"),
-            "flattened": keyed.normal((rows * 2, 3), key="views").view(rows, 2, 3),  # rows x 2 flattened
         }
 
 
@@ -72,9 +71,13 @@ def test_outside_the_loop_keyed_draws_are_torchs_and_a_wrong_shape_is_one_line()
     expected = torch.randn(3, 2)
     torch.manual_seed(0)
     assert torch.equal(keyed.normal((3, 2), key="x"), expected)
-    with RowKeys(seed=0, rank=0, world_size=1, device=CPU)(0, 0, 4), pytest.raises(ValueError) as error:
-        keyed.normal((3, 2), key="x")
-    assert str(error.value).startswith("a keyed draw of shape (3, 2): its first dimension must be the batch's 4 rows")
+    for shape in [(3, 2), (8, 2)]:  # one pattern for a batch of 8 would be another on each rank: not a multiple either
+        with RowKeys(seed=0, rank=0, world_size=1, device=CPU)(0, 0, 4), pytest.raises(ValueError) as error:
+            keyed.normal(shape, key="x")
+        assert str(error.value).startswith(f"a keyed draw of shape {shape}: its first dimension must be the batch's 4")
+    with RowKeys(seed=0, rank=0, world_size=1, device=CPU)(0, 0, 1 << 16):
+        for dtype in (torch.bfloat16, torch.float16):  # as many random bits as the dtype holds: never 1.0
+            assert keyed.uniform((1 << 16, 16), key=("u", str(dtype)), dtype=dtype).max() < 1
 
 
 @pytest.mark.fast

@@ -197,9 +197,10 @@ def likely_cause(log: str) -> str:
         if "the model has nn.Dropout" in line:
             return "cause: nn.Dropout, whose masks depend on the split (KeyedDropout's do not)"
     return (
-        "cause: no per-rank draw was seen; the model or task depends on how the batch is split in another way: "
-        "batch statistics (batch norm without parallel.sync_batchnorm), a loss over the whole batch not declared as "
-        "one (hydraloop.tasks.global_batch), or code that reads its rank"
+        "cause: no per-rank draw was seen in the passes; the run depends on how the batch is split in another way: "
+        "a data set drawing from torch's generator per sample (wrap it in SeededAugmentation), batch statistics "
+        "(batch norm without parallel.sync_batchnorm), a loss over the whole batch not declared as one "
+        "(hydraloop.tasks.global_batch), code that reads its rank, or bf16 round-off beyond the tolerance"
     )
 
 

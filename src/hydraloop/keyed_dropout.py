@@ -56,9 +56,13 @@ class KeyedDropPath(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not self.training or self.p == 0.0:
             return x
-        shape = (x.shape[0],) + (1,) * (x.dim() - 1)
-        kept = keyed_random.bernoulli(1.0 - self.p, shape, key=("drop_path", self.key), device=x.device)
-        return x * kept.to(x.dtype) / (1.0 - self.p)
+        # A batch of k entries a row (a model given each row's views side by side, as keyed dropout's masks allow):
+        # each entry drawn as the row's k-th.
+        keys, entries = current_rows(), x.shape[0]
+        per_row = entries // len(keys[0]) if keys and len(keys[0]) and entries % len(keys[0]) == 0 else 1
+        draws = (entries // per_row, per_row)
+        kept = keyed_random.bernoulli(1.0 - self.p, draws, key=("drop_path", self.key), device=x.device)
+        return x * kept.reshape(entries, *[1] * (x.dim() - 1)).to(x.dtype) / (1.0 - self.p)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, key={self.key}"

@@ -18,10 +18,11 @@ validation. Outside the loop's forward passes (a model called by hand, mode=pred
         ...
 
 `key` tells a caller's draws apart: the same key at the same step gives the same numbers, so two draws of one step
-need two keys (`key=("view", 0)`, `key=("view", 1)`); a key is any str, int or tuple of them. The first dimension of
-the shape is the batch's rows; a model that flattened (rows, tokens) into one dimension may ask for a multiple of them.
-Numbers: uniform floats with 24 random bits (53 in float64), normals by Box-Muller from one 64-bit hash, integers
-from 53 random bits.
+need two keys (`key=("view", 0)`, `key=("view", 1)`); a key is any str, int or tuple (or list) of them. The first
+dimension of the shape is the batch's rows, exactly: one pattern for the whole batch would be another one on each
+rank, so any other first dimension is a ValueError (a batch of each row's k views is drawn (rows, k, ...), then
+flattened). Numbers: uniform floats with as many random bits as the dtype's mantissa holds (24 in float32, 53 in
+float64; never 1.0), normals by Box-Muller from one 64-bit hash, integers from 53 random bits.
 """
 
 import hashlib
@@ -98,22 +99,24 @@ def _bits(shape: tuple[int, ...], key: Key, device) -> Tensor | None:
         return None
     rows, step_key = keys
     shape = tuple(shape)
-    if not shape or shape[0] % max(1, len(rows)) or (len(rows) == 0) != (shape[0] == 0):
+    if not shape or shape[0] != len(rows):
         raise ValueError(
-            f"a keyed draw of shape {shape}: its first dimension must be the batch's {len(rows)} rows (or a multiple "
-            "of them, for rows flattened with another dimension)"
+            f"a keyed draw of shape {shape}: its first dimension must be the batch's {len(rows)} rows (a batch of k "
+            "entries a row: draw (rows, k, ...), then flatten)"
         )
     if device is not None and torch.device(device) != rows.device:
         rows, step_key = rows.to(device), step_key.to(device)
-    split = shape if not len(rows) or shape[0] == len(rows) else (len(rows), shape[0] // len(rows), *shape[1:])
+    key = tuple(key) if isinstance(key, list) else key
     # A key per element: element_keys hashes every dimension but a last one, here one of size 1.
-    return element_keys((*split, 1), rows, layer_key(step_key, _key_term(key))).reshape(shape)
+    return element_keys((*shape, 1), rows, layer_key(step_key, _key_term(key))).reshape(shape)
 
 
 def _uniform(bits: Tensor, dtype: torch.dtype) -> Tensor:
+    """Uniforms in [0, 1) with as many random bits as `dtype` holds exactly: more would round up to 1.0."""
     if dtype == torch.float64:
         return (bits >> 11 & (2**53 - 1)).to(torch.float64).mul_(2.0**-53)
-    return (bits >> 40 & (2**24 - 1)).to(torch.float32).mul_(2.0**-24).to(dtype)
+    kept = 1 - round(math.log2(torch.finfo(dtype).eps))  # float32 24, float16 11, bfloat16 8
+    return (bits >> (64 - kept) & (2**kept - 1)).to(torch.float32).mul_(2.0**-kept).to(dtype)
 
 
 @lru_cache(maxsize=4096)

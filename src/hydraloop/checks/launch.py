@@ -71,7 +71,7 @@ def warn_plain_dropout(model: torch.nn.Module, world_size: int, grad_accum_steps
         log.warning(
             "the model has nn.Dropout, whose masks depend on how the batch is split (%d rank(s), grad_accum_steps=%d):"
             " this run will not equal single-process training; hydraloop.keyed_dropout.KeyedDropout draws the same"
-            " masks under every split (model=hf: model.keyed_dropout=true)",
+            " masks under every split (model=hf and model=timm: model.keyed_dropout=true)",
             world_size,
             grad_accum_steps,
         )
