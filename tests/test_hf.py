@@ -1,5 +1,6 @@
 """model=hf: a transformers model trains under every strategy to the same weights, dropout on (keyed), resumes
-exactly, and refuses what it cannot build in one line. The models are tiny GPT-2s built from a config: no download."""
+exactly, and refuses what it cannot build in one line; LoRA adapters through peft. The models are tiny GPT-2s built
+from a config: no download. Past 300 lines by the adapters' tests, which share its models and runs."""
 
 import importlib.util
 import subprocess

@@ -8,6 +8,8 @@ and precision, with callbacks=[ema] and trainer.eval_best=true (neither changes 
 may lack their entries (`lacking`), and nothing else. Combinations that do not apply (Hugging Face's gradient
 checkpointing on an MLP) are left out; combinations hydraloop refuses are left out of the cases and each asserted as
 its one-line refusal.
+
+Past 300 lines because it is one array: each axis value's command and what its cases compare stand beside the axes.
 """
 
 import fnmatch
