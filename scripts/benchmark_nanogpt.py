@@ -2,9 +2,17 @@
 train.py with the settings its README gives for a CPU (the baby GPT at 4 x 128, block 64, batch 12, 2000 iterations)
 on tiny Shakespeare, several seeds each, every run's final weights scored the same way here: the loss over the whole
 validation split, every window of 64 tokens at stride 64 (the recipe's val/loss; nanoGPT's 20-batch estimates move by
-0.01 from one draw to the next). Also each whole command's time.
+0.01 from one draw to the next). Also each whole command's time, side by side: for each seed the commands run in
+turn, and the ratio is of that seed's pair.
 
     python scripts/benchmark_nanogpt.py --text tinyshakespeare.txt [--nanogpt ~/nanoGPT] [--seeds 0 1 2]
+
+Two hydraloop commands per seed. *As shipped*, the recipe validates on the whole split (1742 windows) at each of its
+9 validations; nanoGPT estimates both losses from 20 batches of 12 windows each of the train and validation splits
+(480 windows) at each of its 9 evaluations: the recipe's validations are 3.6x nanoGPT's forward passes. *Equal work*
+adds `data.dataset.val_windows=480`: as many windows per validation as nanoGPT's evaluation forwards. Both are timed
+against the one nanoGPT run. Also, measured in this process first, the recipe's training loop against a hand-written
+loop over the same model (nanoGPT's `get_batch`, forward, backward, clipping, step): milliseconds per step.
 
 Neither is shipped: the corpus is the tinyshakespeare input.txt that nanoGPT's data/shakespeare_char/prepare.py
 downloads, nanoGPT a checkout of github.com/karpathy/nanoGPT (its model.py is what scores its checkpoints). Without
@@ -36,7 +44,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "scripts"))
 
+import benchmark_loops  # noqa: E402
 from sample import load_language_model  # noqa: E402
+
+from hydraloop.config import register_configs  # noqa: E402
 
 BLOCK = 64  # both recipes' block_size
 SEED_LINE = "torch.manual_seed(1337 + seed_offset)"
@@ -45,6 +56,7 @@ NANOGPT_CPU = [  # nanoGPT README's "I only have a macbook" command, and a check
     *["--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1", "--block_size=64", "--batch_size=12"],
     *["--n_layer=4", "--n_head=4", "--n_embd=128", "--dropout=0.0", "--always_save_checkpoint=True"],
 ]
+NANOGPT_EVAL_WINDOWS = 2 * 20 * 12  # an evaluation's forward passes: eval_iters batches of 12, train and val splits
 
 
 def whole_val_loss(loss_of, val: np.ndarray) -> float:
@@ -77,12 +89,13 @@ def warmup(steps: int) -> int:
     return max(1, round(100 * steps / 2000))
 
 
-def hydraloop_run(tokens: Path, seed: int, steps: int, work: Path, val: np.ndarray) -> dict:
-    run_dir = work / f"hydraloop-{seed}"
+def hydraloop_run(tokens: Path, seed: int, steps: int, work: Path, val: np.ndarray, equal_work: bool = False) -> dict:
+    run_dir = work / f"hydraloop-{seed}{'-equal' if equal_work else ''}"
     command = [sys.executable, str(REPO / "src" / "train.py"), "experiment=nanogpt_shakespeare_char_cpu"]
     command += [f"data.dataset.dir={tokens}", f"seed={seed}", f"trainer.max_steps={steps}", f"hydra.run.dir={run_dir}"]
     command += [f"scheduler.warmup_steps={warmup(steps)}"]
-    wall = timed_run(command, REPO, work / f"hydraloop-{seed}.log")
+    command += [f"data.dataset.val_windows={NANOGPT_EVAL_WINDOWS}"] if equal_work else []
+    wall = timed_run(command, REPO, run_dir.with_suffix(".log"))
     model, *_ = load_language_model(run_dir / "checkpoints" / "last.pt", torch.device("cpu"))
     logged = json.loads((run_dir / "metrics.json").read_text())["val/loss"]
     scored = whole_val_loss(lambda x, y: torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()), val)
@@ -126,7 +139,8 @@ def check_nanogpt(checkout: Path) -> None:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    """Prepares the corpus, runs each seed of hydraloop (and nanoGPT), prints and returns the figures."""
+    """Prepares the corpus, times the loops, runs each seed of hydraloop (and nanoGPT), prints and returns the
+    figures."""
     if args.nanogpt is not None:
         check_nanogpt(args.nanogpt)
     if not args.text.is_file():
@@ -137,13 +151,42 @@ def measure(args: argparse.Namespace) -> dict:
         prepare = [sys.executable, str(REPO / "scripts" / "prepare_text.py"), str(args.text), str(tokens)]
         subprocess.run(prepare, check=True, capture_output=True)
         val = np.memmap(tokens / "val.bin", dtype=np.uint16, mode="r")
-        report = {"steps": args.steps, "hydraloop": [], "nanogpt": []}
+        report = {"steps": args.steps, "hydraloop": [], "equal_work": [], "nanogpt": []}
+        report["loop_ms_per_step"] = loop_against_handwritten(tokens, args.loop_steps, args.loop_rounds)
         for seed in args.seeds:
             report["hydraloop"].append(hydraloop_run(tokens, seed, args.steps, work, val))
             if args.nanogpt is not None:
                 report["nanogpt"].append(nanogpt_run(args.nanogpt, tokens, seed, args.steps, work, val))
+                report["equal_work"].append(hydraloop_run(tokens, seed, args.steps, work, val, equal_work=True))
             print_report(report)
     return report
+
+
+def loop_against_handwritten(tokens: Path, steps: int, rounds: int) -> dict:
+    """Milliseconds per training step of the recipe's loop (built as src/train.py builds it) and of a hand-written
+    loop over the same model and batches, timed in turn, `rounds` epochs of `steps` steps each after one to warm up;
+    medians."""
+    register_configs()
+    overrides = ["experiment=nanogpt_shakespeare_char_cpu", f"data.dataset.dir={tokens}"]
+    cfg = benchmark_loops.compose_config([*overrides, f"trainer.limit_train_batches={steps}"])
+    device = torch.device("cpu")
+    loops = {
+        "hydraloop": benchmark_loops.hydraloop_epoch(cfg, device),
+        "hand-written": benchmark_loops.handwritten_epoch(cfg, device),
+    }
+    times: dict[str, list[float]] = {name: [] for name in loops}
+    for round_ in range(rounds + 1):
+        for name, epoch in loops.items():
+            start = time.perf_counter()
+            epoch()
+            if round_:
+                times[name].append((time.perf_counter() - start) * 1000 / steps)
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    print(
+        f"training loop, {rounds} x {steps} steps: hydraloop {medians['hydraloop']:.1f} ms/step, hand-written "
+        f"{medians['hand-written']:.1f} ms/step, ratio {medians['hydraloop'] / medians['hand-written']:.3f}"
+    )
+    return medians
 
 
 def cell(run: dict | None) -> str:
@@ -151,17 +194,22 @@ def cell(run: dict | None) -> str:
 
 
 def print_report(report: dict) -> None:
-    print(f"\nwhole-validation loss after {report['steps']} steps (seconds: the whole command)")
-    print(f"{'seed':>6}  {'hydraloop':<18}{'nanoGPT':<18}")
+    print(f"\nwhole-validation loss after {report['steps']} steps (seconds: the whole command; ratios: to nanoGPT's)")
+    print(f"{'seed':>6}  {'as shipped':<18}{'equal work':<18}{'nanoGPT':<18}ratios")
     nanogpt = {run["seed"]: run for run in report["nanogpt"]}
+    equal = {run["seed"]: run for run in report["equal_work"]}
     for run in report["hydraloop"]:
-        print(f"{run['seed']:>6}  {cell(run):<18}{cell(nanogpt.get(run['seed'])):<18}")
-    mean = {
-        who: statistics.mean(run["val_loss"] for run in report[who]) for who in ("hydraloop", "nanogpt") if report[who]
-    }
-    line = f"{'mean':>6}  {mean['hydraloop']:<18.4f}"
-    if "nanogpt" in mean:
-        line += f"{mean['nanogpt']:<18.4f}hydraloop - nanoGPT: {mean['hydraloop'] - mean['nanogpt']:+.4f}"
+        peer, same = nanogpt.get(run["seed"]), equal.get(run["seed"])
+        ratios = f"{run['wall_s'] / peer['wall_s']:.3f}, {same['wall_s'] / peer['wall_s']:.3f}" if peer and same else ""
+        print(f"{run['seed']:>6}  {cell(run):<18}{cell(same):<18}{cell(peer):<18}{ratios}")
+    runs = [report["hydraloop"], report["equal_work"], report["nanogpt"]]
+    line = f"{'mean':>6}  " + "".join(
+        f"{statistics.mean(r['val_loss'] for r in who):<18.4f}" if who else f"{'-':<18}" for who in runs
+    )
+    if len(report["equal_work"]) == len(report["nanogpt"]) == len(report["hydraloop"]):
+        pairs = [zip(who, report["nanogpt"], strict=True) for who in runs[:2]]
+        medians = [statistics.median(a["wall_s"] / b["wall_s"] for a, b in pair) for pair in pairs]
+        line += f"{medians[0]:.3f}, {medians[1]:.3f} (medians)"
     print(line)
 
 
@@ -171,6 +219,8 @@ def main() -> None:
     parser.add_argument("--nanogpt", type=Path, default=None, help="a checkout of karpathy/nanoGPT")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--loop-steps", type=int, default=100, help="the training loops' timing: steps a round")
+    parser.add_argument("--loop-rounds", type=int, default=3, help="the training loops' timing: rounds, in turn")
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "benchmark_nanogpt.json")
     args = parser.parse_args()
     report = measure(args)

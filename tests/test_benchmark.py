@@ -96,9 +96,13 @@ def test_nanogpt_benchmark_scores_a_run_as_its_own_val_loss(tmp_path, train_env)
     script = REPO / "scripts" / "benchmark_nanogpt.py"
     text = REPO / "src" / "hydraloop" / "data" / "corpora" / "shakespeare.txt"
     command = [sys.executable, str(script), "--text", str(text), "--seeds", "3", "--steps", "30", "--out", str(out)]
+    command += ["--loop-steps", "2", "--loop-rounds", "1"]
     proc = subprocess.run(command, env=train_env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    (run,) = json.loads(out.read_text())["hydraloop"]
+    report = json.loads(out.read_text())
+    assert set(report["loop_ms_per_step"]) == {"hydraloop", "hand-written"}, report
+    assert "training loop, 1 x 2 steps: hydraloop" in proc.stdout
+    (run,) = report["hydraloop"]
     assert run["seed"] == 3 and run["val_loss"] == pytest.approx(run["logged_val_loss"], rel=1e-5)
     assert 1.0 < run["val_loss"] < 4.2  # 30 steps: below a uniform guess over the plays' characters
     assert "whole-validation loss after 30 steps" in proc.stdout
