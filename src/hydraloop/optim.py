@@ -19,12 +19,6 @@ never sees:
   per layer). Pairs, not a mapping: a dotted name as a key would be read as a path. The schedule scales every group
   alike.
 
-`fused: null` (the shipped nodes' default) turns torch's fused kernel on where it has one for every parameter the
-optimizer trains (floating point, on a device torch lists for fused kernels: the CPU and CUDA among them) and
-`foreach` is not forced: one kernel per step instead of a loop over tensors (AdamW on nanoGPT's CPU GPT: 0.5 ms a
-step against 2.3). torch itself never picks it; Hugging Face's Trainer does for AdamW. `fused: false` keeps torch's
-own choice.
-
 Parameters that share a decay and a scale form one group, in the order of their first parameter, so the same config
 makes the same groups under every strategy: a checkpoint's optimizer state (keyed by position across groups) fits
 any of them. A pattern that matches no parameter is bad input, refused in the launcher.
@@ -34,12 +28,10 @@ import fnmatch
 from collections.abc import Iterable
 from typing import Any
 
-import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch import nn
 from torch.optim import Optimizer
-from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from hydraloop.errors import ConfigError, require
 
@@ -88,20 +80,10 @@ def build_optimizer(node: Any, model: nn.Module) -> Optimizer:
     under FSDP its parameters are the shards), or those of its `modules`, in the groups the node's grouping keys
     make."""
     groups = parameter_groups(model, node)
-    fused = {"fused": True} if fused_by_default(node, [p for group in groups for p in group["params"]]) else {}
-    optimizer = optimizer_factory(node)(groups, **fused)
+    optimizer = optimizer_factory(node)(groups)
     for group in optimizer.param_groups:  # filled in with the optimizer's defaults (lr) by now
         group["lr"] = group["lr"] * group.get("lr_scale", 1.0)
     return optimizer
-
-
-def fused_by_default(node: Any, params: list[torch.Tensor]) -> bool:
-    """Whether `fused: null` means fused here (see the module's docstring): the node has the key, unset, and does not
-    force `foreach`, and torch has a fused kernel for every parameter's device and dtype."""
-    if not (OmegaConf.is_dict(node) and "fused" in node and node.fused is None and not node.get("foreach")):
-        return False
-    devices = _get_fused_kernels_supported_devices()
-    return bool(params) and all(p.device.type in devices and torch.is_floating_point(p) for p in params)
 
 
 def parameter_groups(model: nn.Module, node: Any) -> list[dict[str, Any]]:
