@@ -7,10 +7,10 @@ end of epoch 1, at its batch 3 of 6) or `checkpoint` (rank 0 inside the write of
 torch.save has its file open; under fsdp the shards are in the staging directory and state.pt is being written).
 Rank 0 waits there (tests/faults.py) until the signal is sent. It then checks that the stop ended within
 --max-stop-s with exit 143 (or 0 with metrics.json: a run that finished before the signal), that every checkpoint
-left reads back whole, last.pt the newest, and no write is left unfinished (*.tmp), that no file is left in TMPDIR by
-the launch (torchelastic_*, pytorch-errorfile-*, hydraloop-ranks-*, pymp-*) and no process of the run is left (each
-carries a marker in its environment), and that the same command rerun ends at the uninterrupted run's parameters
-(dropout included).
+left reads back whole, last.pt the newest, and no write is left unfinished (*.tmp) (a stop during a validation: at
+that validation's checkpoint), that no file is left in TMPDIR by the launch (torchelastic_*, pytorch-errorfile-*,
+hydraloop-ranks-*, pymp-*) and no process of the run is left (each carries a marker in its environment), and that
+the same command rerun ends at the uninterrupted run's parameters (dropout included).
 
     python scripts/stop_campaign.py --tries 48                       # ddp, fork and spawn, the five moments
     python scripts/stop_campaign.py --tries 16 --parallel ddp fsdp --moments validation checkpoint
@@ -189,6 +189,8 @@ def one_try(parallel: str, start_method: str, moment: str, folder: Path, referen
     result["problems"] = [] if as_expected else [f"exit {job.returncode}, metrics.json {finished}:\n{output[-3000:]}"]
     result["last_pt_step"], damaged = checkpoints_after_a_stop(run_dir)
     result["problems"] += [f"checkpoints: {'; '.join(damaged)}"] if damaged else []
+    if where == "validation" and job.returncode == 143 and result["last_pt_step"] != step:  # it carries the votes
+        result["problems"].append(f"a stop during step {step}'s validation stopped at step {result['last_pt_step']}")
     rerun = subprocess.run(job_command, env=env, capture_output=True, text=True, timeout=300)
     result["left"] += left_behind(tmpdir, marker)
     if rerun.returncode != 0:
