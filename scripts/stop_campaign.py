@@ -22,6 +22,7 @@ One line per try, then a summary; exit 1 if any try failed. tests/test_stop_camp
 import argparse
 import itertools
 import json
+import math
 import os
 import random
 import shutil
@@ -47,7 +48,11 @@ MOMENTS = {
     "validation": ("validation", 22),
     "checkpoint": ("checkpoint", 22),
 }
-START_WINDOW_S = {"fork": 1.0, "spawn": 4.0}  # how long after the ranks appear a `start` signal may come
+# How long after the ranks appear a `start` signal may come: about how long they take to reach step 1 on a busy 2-core
+# machine (forked: 0.13 s after they appeared they were in training, and 0.84 s after, done: the 1 s window this was
+# made most forked `start` tries stops in training or finished runs). The signal comes at rank 0's step 1 at the
+# latest, where it waits; a try's delay_s is when it came.
+START_WINDOW_S = {"fork": 0.1, "spawn": 4.0}
 LEFT_BY_A_LAUNCH = ("torchelastic_", "pytorch-errorfile-", "hydraloop-ranks-", "pymp-")
 MARKER = "HYDRALOOP_STOP_CAMPAIGN"
 
@@ -151,12 +156,10 @@ def one_try(parallel: str, start_method: str, moment: str, folder: Path, referen
     marker = uuid.uuid4().hex
     env = environment(tmpdir, marker)
     where, step = MOMENTS[moment]
-    if step is None:
-        (faults / "resume").touch()  # no waiting: the signal comes while the ranks start
     job_command = command(parallel, start_method, run_dir, faults, where, step or 1)
     job = subprocess.Popen(job_command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        delay, said_before = 0.0, []
+        said_before = []
         if step is None:
             for line in job.stdout:  # the launcher has taken the run directory, and starts the ranks next
                 said_before.append(line)
@@ -164,12 +167,12 @@ def one_try(parallel: str, start_method: str, moment: str, folder: Path, referen
                     break
             while not ranks_started(job.pid) and job.poll() is None:
                 time.sleep(0.01)
-            delay = rng.uniform(0, START_WINDOW_S[start_method])
-            time.sleep(delay)
-        else:
-            while not (faults / "paused").exists() and job.poll() is None:
-                time.sleep(0.01)
+            started = time.monotonic()
+        deadline = started + rng.uniform(0, START_WINDOW_S[start_method]) if step is None else math.inf
+        while time.monotonic() < deadline and not (faults / "paused").exists() and job.poll() is None:
+            time.sleep(0.005)
         signalled = time.monotonic()
+        delay = signalled - started if step is None else 0.0
         job.send_signal(signal.SIGTERM)
         (faults / "resume").touch()
         output = "".join(said_before) + job.communicate(timeout=180)[0]
