@@ -114,11 +114,11 @@ class WaitingInValidationMLP(WaitingInARankMLP):
 
 
 class WaitingInCheckpointWrite(Callback):
-    """A callback whose state makes the writer (rank 0) wait inside the write of the checkpoint of step `at_step`, as torch.save
-    pickles it, until `resume_file` exists (two minutes at most), having written its process id to `pause_file`
-    (once per `pause_file`, as PausingMLP). The file being written is open meanwhile: `step-<at_step>.pt.tmp` under
-    single and ddp; under fsdp the shards are in the staging directory `step-<at_step>.pt.tmp/` and `state.pt` is
-    being written beside them. What it saves reads back as an empty dict."""
+    """A callback whose state makes the writer (rank 0) wait inside the write of the checkpoint of step `at_step`,
+    as torch.save pickles it, until `resume_file` exists (two minutes at most), having written its process id to
+    `pause_file` (once per `pause_file`, as PausingMLP). The file being written is open meanwhile:
+    `step-<at_step>.pt.tmp` under single and ddp; under fsdp the shards are in the staging directory
+    `step-<at_step>.pt.tmp/` and `state.pt` is being written beside them. What it saves reads back as an empty dict."""
 
     def __init__(self, at_step: int, pause_file: str, resume_file: str) -> None:
         self.at_step, self.pause_file, self.resume_file = at_step, pause_file, resume_file
