@@ -53,7 +53,7 @@ def test_a_stop_signal_while_omegaconf_reads_a_key_stays_a_stop():
 def test_stops_at_each_moment_end_within_seconds_resumable_and_leave_nothing(tmp_path, train_env):
     """A try of the campaign at each moment (scripts/stop_campaign.py --tries 48 for more): SIGTERM while the ranks
     start (forked), in step 1 (spawned ranks), mid-epoch (forked), during a validation (spawned) and during a
-    checkpoint write (forked). Each ends within 5 s with 143 (while the ranks start, without a checkpoint: 30-60 s
+    checkpoint write (forked). Each ends within 5 s with 143 (while a rank starts, without a checkpoint: 30-60 s
     before, and pointing at one), leaves its checkpoints whole, nothing in its own TMPDIR and no process, and its rerun
     ends at the uninterrupted run's parameters (whose run leaves nothing either)."""
     out = tmp_path / "tries.json"
@@ -70,11 +70,12 @@ def test_stops_at_each_moment_end_within_seconds_resumable_and_leave_nothing(tmp
         ("validation", "spawn", 143),
         ("checkpoint", "fork", 143),
     ]
-    # Where each stop left last.pt: none, while the ranks start (or, on a machine quicker than the campaign's window,
-    # at the logging step after step 1, as in step 1); at the next logging step (5, 15); at the validation's own
-    # checkpoint (22: its all-reduce carries the stop); at the logging step after the checkpoint written (25).
-    assert tries[0]["last_pt_step"] in (None, 5)
-    assert [one["last_pt_step"] for one in tries[1:]] == [5, 15, 22, 25]
+    # Where each stop left last.pt. While the ranks start, and in step 1 while the other spawned rank may still be
+    # setting up: none, or at the logging step after step 1 (5) where every rank was training (a machine quicker
+    # than the campaign's window). Then at the next logging step (15), at the validation's own checkpoint (22: its
+    # all-reduce carries the stop), at the logging step after the checkpoint written (25).
+    assert tries[0]["last_pt_step"] in (None, 5) and tries[1]["last_pt_step"] in (None, 5)
+    assert [one["last_pt_step"] for one in tries[2:]] == [15, 22, 25]
 
 
 @pytest.mark.slow
