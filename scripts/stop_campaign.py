@@ -2,13 +2,18 @@
 
 Each try runs the command in a temporary folder of its own (TMPDIR) and sends SIGTERM to the launcher at one moment:
 `start` (a random instant while the ranks start: forked, spawned, joining the process group, building), `first-step`
-(rank 0 inside step 1) or `mid-epoch` (rank 0 inside step 13 of 44). It then checks that the stop ended within
---max-stop-s with exit 143 (or 0 with metrics.json: a run that finished before the signal), that no file is left
-in TMPDIR by the launch (torchelastic_*, pytorch-errorfile-*, hydraloop-ranks-*, pymp-*) and no process of the run
-is left (each carries a marker in its environment), and that the same command rerun ends at the uninterrupted run's
-parameters (dropout included).
+(rank 0 inside step 1), `mid-epoch` (rank 0 inside step 13 of 44), `validation` (rank 0 inside the validation at the
+end of epoch 1, at its batch 3 of 6) or `checkpoint` (rank 0 inside the write of that epoch's checkpoint, step 22:
+torch.save has its file open; under fsdp the shards are in the staging directory and state.pt is being written).
+Rank 0 waits there (tests/faults.py) until the signal is sent. It then checks that the stop ended within
+--max-stop-s with exit 143 (or 0 with metrics.json: a run that finished before the signal), that every checkpoint
+left reads back whole, last.pt the newest, and no write is left unfinished (*.tmp) (a stop during a validation: at
+that validation's checkpoint), that no file is left in TMPDIR by the launch (torchelastic_*, pytorch-errorfile-*,
+hydraloop-ranks-*, pymp-*) and no process of the run is left (each carries a marker in its environment), and that
+the same command rerun ends at the uninterrupted run's parameters (dropout included).
 
-    python scripts/stop_campaign.py --tries 48                       # ddp, fork and spawn, the three moments
+    python scripts/stop_campaign.py --tries 48                       # ddp, fork and spawn, the five moments
+    python scripts/stop_campaign.py --tries 16 --parallel ddp fsdp --moments validation checkpoint
     python scripts/stop_campaign.py --tries 12 --parallel fsdp --out campaign.json
 
 One line per try, then a summary; exit 1 if any try failed. tests/test_stop_campaign.py runs a few tries.
@@ -17,6 +22,7 @@ One line per try, then a summary; exit 1 if any try failed. tests/test_stop_camp
 import argparse
 import itertools
 import json
+import math
 import os
 import random
 import shutil
@@ -33,8 +39,20 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "src" / "train.py"
 RECIPE = ("trainer.max_epochs=2", "model.dropout=0.2", "trainer.log_every_n_steps=5", "logger=none")
-MOMENTS = {"start": None, "first-step": 1, "mid-epoch": 13}  # the step rank 0 waits in for the signal
-START_WINDOW_S = {"fork": 1.0, "spawn": 4.0}  # how long after the ranks appear a `start` signal may come
+# Where rank 0 waits for the signal: in training step N, in the validation after step N (its batch 3 of 6), or in
+# the write of the checkpoint of step N (22: the end of epoch 1 of 2).
+MOMENTS = {
+    "start": ("step", None),
+    "first-step": ("step", 1),
+    "mid-epoch": ("step", 13),
+    "validation": ("validation", 22),
+    "checkpoint": ("checkpoint", 22),
+}
+# How long after the ranks appear a `start` signal may come: about how long they take to reach step 1 on a busy 2-core
+# machine (forked: 0.13 s after they appeared they were in training, and 0.84 s after, done: the 1 s window this was
+# made most forked `start` tries stops in training or finished runs). The signal comes at rank 0's step 1 at the
+# latest, where it waits; a try's delay_s is when it came.
+START_WINDOW_S = {"fork": 0.1, "spawn": 4.0}
 LEFT_BY_A_LAUNCH = ("torchelastic_", "pytorch-errorfile-", "hydraloop-ranks-", "pymp-")
 MARKER = "HYDRALOOP_STOP_CAMPAIGN"
 
@@ -47,6 +65,24 @@ def read_checkpoint(path: Path) -> dict:
 
         return load_checkpoint(path)
     return torch.load(path, weights_only=True)
+
+
+def checkpoints_after_a_stop(run_dir: Path) -> tuple[int | None, list[str]]:
+    """The step last.pt holds (None: none written), and what in checkpoints/ is not whole: a write left unfinished
+    (`*.tmp`), a checkpoint that does not read back, a last.pt other than the newest step-named one."""
+    folder, steps, problems = run_dir / "checkpoints", {}, []
+    for path in sorted(folder.iterdir()) if folder.is_dir() else []:
+        if path.name.endswith(".tmp"):
+            problems.append(f"{path.name}: a write left unfinished")
+            continue
+        try:
+            steps[path.name] = read_checkpoint(path)["global_step"]
+        except Exception as error:  # what a damaged one raises is the finding
+            problems.append(f"{path.name}: {type(error).__name__}: {error}")
+    newest = max((step for name, step in steps.items() if name.startswith("step-")), default=None)
+    if steps.get("last.pt") != newest:
+        problems.append(f"last.pt holds step {steps.get('last.pt')}, the newest step-named one {newest}")
+    return steps.get("last.pt"), problems
 
 
 def processes_marked(marker: str) -> list[str]:
@@ -73,15 +109,27 @@ def left_behind(tmpdir: Path, marker: str, wait_s: float = 5.0) -> list[str]:
     return files + [f"process {line}" for line in processes]
 
 
-def command(parallel: str, start_method: str, run_dir: Path, faults: Path | None, step: int = 1) -> list[str]:
+def command(
+    parallel: str, start_method: str, run_dir: Path, faults: Path | None, where: str = "step", step: int = 1
+) -> list[str]:
+    """The run's command; with `faults`, rank 0 writes `faults/paused` in training step `step` (`where`: step), in
+    the validation after it (validation) or in the write of its checkpoint (checkpoint), and waits there until
+    `faults/resume` exists (tests/faults.py)."""
     overrides = [f"parallel={parallel}", f"parallel.start_method={start_method}", *RECIPE, f"hydra.run.dir={run_dir}"]
-    if faults is not None:  # rank 0 writes `paused` in step `step`, and waits there until `resume` exists
+    if faults is None:
+        return [sys.executable, str(TRAIN), *overrides]
+    files = {"pause_file": faults / "paused", "resume_file": faults / "resume"}
+    if where == "checkpoint":
         overrides += [
-            "model._target_=tests.faults.WaitingInARankMLP",
-            "+model.fail_rank=0",
-            f"+model.fail_at_step={step}",
+            "+callbacks.waiting._target_=tests.faults.WaitingInCheckpointWrite",
+            f"+callbacks.waiting.at_step={step}",
         ]
-        overrides += [f"+model.pause_file={faults / 'paused'}", f"+model.resume_file={faults / 'resume'}"]
+        overrides += [f"+callbacks.waiting.{name}={path}" for name, path in files.items()]
+    else:
+        model = "WaitingInValidationMLP" if where == "validation" else "WaitingInARankMLP"
+        overrides += [f"model._target_=tests.faults.{model}", "+model.fail_rank=0", f"+model.fail_at_step={step}"]
+        overrides += ["+model.at_batch=3"] if where == "validation" else []
+        overrides += [f"+model.{name}={path}" for name, path in files.items()]
     return [sys.executable, str(TRAIN), *overrides]
 
 
@@ -107,13 +155,11 @@ def one_try(parallel: str, start_method: str, moment: str, folder: Path, referen
         path.mkdir(parents=True)
     marker = uuid.uuid4().hex
     env = environment(tmpdir, marker)
-    step = MOMENTS[moment]
-    if step is None:
-        (faults / "resume").touch()  # no waiting: the signal comes while the ranks start
-    job_command = command(parallel, start_method, run_dir, faults, step or 1)
+    where, step = MOMENTS[moment]
+    job_command = command(parallel, start_method, run_dir, faults, where, step or 1)
     job = subprocess.Popen(job_command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        delay, said_before = 0.0, []
+        said_before = []
         if step is None:
             for line in job.stdout:  # the launcher has taken the run directory, and starts the ranks next
                 said_before.append(line)
@@ -121,12 +167,12 @@ def one_try(parallel: str, start_method: str, moment: str, folder: Path, referen
                     break
             while not ranks_started(job.pid) and job.poll() is None:
                 time.sleep(0.01)
-            delay = rng.uniform(0, START_WINDOW_S[start_method])
-            time.sleep(delay)
-        else:
-            while not (faults / "paused").exists() and job.poll() is None:
-                time.sleep(0.01)
+            started = time.monotonic()
+        deadline = started + rng.uniform(0, START_WINDOW_S[start_method]) if step is None else math.inf
+        while time.monotonic() < deadline and not (faults / "paused").exists() and job.poll() is None:
+            time.sleep(0.005)
         signalled = time.monotonic()
+        delay = signalled - started if step is None else 0.0
         job.send_signal(signal.SIGTERM)
         (faults / "resume").touch()
         output = "".join(said_before) + job.communicate(timeout=180)[0]
@@ -144,6 +190,10 @@ def one_try(parallel: str, start_method: str, moment: str, folder: Path, referen
     # (docs/scaling-out.md); metrics.json says it finished either way.
     as_expected = job.returncode == 143 and not finished or job.returncode in (0, -15) and finished
     result["problems"] = [] if as_expected else [f"exit {job.returncode}, metrics.json {finished}:\n{output[-3000:]}"]
+    result["last_pt_step"], damaged = checkpoints_after_a_stop(run_dir)
+    result["problems"] += [f"checkpoints: {'; '.join(damaged)}"] if damaged else []
+    if where == "validation" and job.returncode == 143 and result["last_pt_step"] != step:  # it carries the votes
+        result["problems"].append(f"a stop during step {step}'s validation stopped at step {result['last_pt_step']}")
     rerun = subprocess.run(job_command, env=env, capture_output=True, text=True, timeout=300)
     result["left"] += left_behind(tmpdir, marker)
     if rerun.returncode != 0:
@@ -211,7 +261,8 @@ def main() -> int:
             verdict = "ok" if not result["problems"] else "FAILED: " + "; ".join(result["problems"])
             print(
                 f"{number:3d} {parallel} {start_method:5s} {moment:10s} delay {result['delay_s']:5.2f} s: exit "
-                f"{result['exit']} in {result['stop_s']:5.2f} s, rerun {result.get('resume_diff', '-')}: {verdict} "
+                f"{result['exit']} in {result['stop_s']:5.2f} s, last.pt step {result['last_pt_step']}, rerun "
+                f"{result.get('resume_diff', '-')}: {verdict} "
                 f"({result['said']})",
                 flush=True,
             )

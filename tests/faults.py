@@ -3,6 +3,7 @@
 Selected from the command line like any model, e.g. `model._target_=tests.faults.RaisingMLP +model.fail_rank=1`.
 """
 
+import collections
 import math
 import os
 import signal
@@ -91,6 +92,60 @@ class WaitingInARankMLP(WaitingMLP):
     def misbehave(self) -> None:
         if "TORCHELASTIC_RUN_ID" in os.environ:
             super().misbehave()
+
+
+class WaitingInValidationMLP(WaitingInARankMLP):
+    """WaitingInARankMLP, waiting in the validation after training step `fail_at_step` instead of in that step: in
+    its validation batch `at_batch` (counted from 1), mid-way through the pass, the other ranks' batches going on."""
+
+    def __init__(self, *args, at_batch: int = 2, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.at_batch, self.val_batches = at_batch, 0
+
+    def forward(self, x):
+        if not self.training and self.steps == self.fail_at_step and int(os.environ.get("RANK", 0)) == self.fail_rank:
+            self.val_batches += 1
+            if self.val_batches == self.at_batch:
+                super().misbehave()
+        return super().forward(x)
+
+    def misbehave(self) -> None:  # not in the training step
+        pass
+
+
+class WaitingInCheckpointWrite(Callback):
+    """A callback whose state makes the writer (rank 0) wait inside the write of the checkpoint of step `at_step`,
+    as torch.save pickles it, until `resume_file` exists (two minutes at most), having written its process id to
+    `pause_file` (once per `pause_file`, as PausingMLP). The file being written is open meanwhile:
+    `step-<at_step>.pt.tmp` under single and ddp; under fsdp the shards are in the staging directory
+    `step-<at_step>.pt.tmp/` and `state.pt` is being written beside them. What it saves reads back as an empty dict."""
+
+    def __init__(self, at_step: int, pause_file: str, resume_file: str) -> None:
+        self.at_step, self.pause_file, self.resume_file = at_step, pause_file, resume_file
+
+    def state_dict(self, trainer) -> dict:
+        # On every rank, as the replica check compares them; only the writer's (rank 0) is pickled.
+        if trainer.state.global_step == self.at_step:
+            return _WaitWhenPickled(self.pause_file, self.resume_file)
+        return {}
+
+
+class _WaitWhenPickled:
+    def __init__(self, pause_file: str, resume_file: str) -> None:
+        self.pause_file, self.resume_file = pause_file, resume_file
+
+    def __repr__(self) -> str:  # the replica check's digest of it: the same on every rank
+        return "OrderedDict()"
+
+    def __reduce__(self):
+        if not os.path.exists(self.pause_file):
+            with open(self.pause_file + ".tmp", "w") as file:
+                file.write(str(os.getpid()))
+            os.replace(self.pause_file + ".tmp", self.pause_file)
+            deadline = time.monotonic() + 120
+            while not os.path.exists(self.resume_file) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return collections.OrderedDict, ()  # what torch.load(weights_only=True) reads
 
 
 class KilledMLP(RaisingMLP):

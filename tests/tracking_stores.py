@@ -43,6 +43,7 @@ class WandbRun:
     history: list[dict] = field(default_factory=list)  # one dict per committed step, with "_step"
     summary: dict = field(default_factory=dict)
     preempting: bool = False  # marked preempted (wandb's run.mark_preempting)
+    exit_code: int | None = None  # None: the run was never finished (no exit record)
 
 
 def wandb_runs(run_dir: Path) -> list[WandbRun]:
@@ -71,6 +72,8 @@ def read_wandb_run(path: Path) -> WandbRun:
             run.summary.update(_items(record.summary.update))
         elif kind == "preempting":
             run.preempting = True
+        elif kind == "exit":
+            run.exit_code = record.exit.exit_code
     run.config.pop("_wandb", None)
     return run
 

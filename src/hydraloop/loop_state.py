@@ -4,7 +4,8 @@ anywhere (mid-epoch, between two logging steps) logs and reports the uninterrupt
 
 The losses stay on the device, summed per epoch (`EpochLosses`) and per logging interval (`Interval`); the ranks
 read back their global sums only where they meet anyway: a logging, validation or checkpoint step, or the epoch end
-(`GlobalSums`). That one reduction also carries each rank's stop vote (hydraloop.preemption). What a NaN or infinite
+(`GlobalSums`). That one reduction also carries each rank's stop vote (hydraloop.preemption), as a validation's own
+does. What a NaN or infinite
 loss does to the run is hydraloop.losses'.
 
 From where the run stands, the steps it plans for (`planned_steps`, `schedule_plan`), in steps of today's batch size:
@@ -97,14 +98,22 @@ class GlobalSums:
 
     def __call__(self, *loss_sums: Tensor) -> list[float]:
         count = len(loss_sums)
-        votes = [float(self.stop_request.signum == signum) for signum in STOP_SIGNALS]
-        flags = [*votes, self.draw_watch.flag()]
+        flags = [*self.stop_votes(), self.draw_watch.flag()]
         reduced = torch.tensor([0.0] * count + flags, dtype=torch.float64, device=loss_sums[0].device)
         reduced[:count] = torch.stack([loss_sum.detach() for loss_sum in loss_sums])
         reduced = self.strategy.all_reduce(reduced).tolist()
-        self.stop_signum = next((signum for signum, n in zip(STOP_SIGNALS, reduced[count:-1]) if n), 0)
+        self.agree(reduced[count:-1])
         self.draw_watch.reduced(reduced[-1])
         return [total / self.strategy.world_size for total in reduced[:count]]
+
+    def stop_votes(self) -> list[float]:
+        """This rank's vote for each stop signal, to be summed over the ranks and handed to `agree`. A validation
+        carries them in its own all-reduce (hydraloop.validation): a signal that came during it stops the run at its
+        checkpoint, not at the next logging step's (after another checkpoint)."""
+        return [float(self.stop_request.signum == signum) for signum in STOP_SIGNALS]
+
+    def agree(self, summed_votes: list[float]) -> None:
+        self.stop_signum = next((signum for signum, n in zip(STOP_SIGNALS, summed_votes) if n), 0)
 
 
 class EpochLosses:

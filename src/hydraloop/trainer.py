@@ -96,7 +96,17 @@ class Trainer:
         # batch holds; they are made on the device only where something reads them.
         row_keys = RowKeys(seed, strategy.rank, strategy.world_size, strategy.device)
         self.validation = Validation(
-            strategy, writer, precision, task, model, settings, metric, validated, self._on_device, row_keys
+            strategy,
+            writer,
+            precision,
+            task,
+            model,
+            settings,
+            metric,
+            validated,
+            self._on_device,
+            row_keys,
+            self.global_sums,
         )
         self.seed_step = StepSeeder(seed, strategy.rank, strategy.devices)
         self.step = OptimizerStep(

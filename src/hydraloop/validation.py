@@ -21,8 +21,10 @@ from hydraloop.checkpoint import TrainState
 from hydraloop.draw_watch import DrawWatch, split_of
 from hydraloop.early_stopping import EarlyStopping
 from hydraloop.global_batch import global_batch_statistics
+from hydraloop.loop_state import GlobalSums
 from hydraloop.parallel.single import SingleDevice
 from hydraloop.precision import Precision
+from hydraloop.preemption import STOP_SIGNALS
 from hydraloop.row_keys import VALIDATION_PASS, RowKeys
 from hydraloop.run_writer import NullRunWriter
 from hydraloop.tasks.base import Task
@@ -43,11 +45,13 @@ class Validation:
         validated: dict[str, float] | None,
         on_device: Callable[[Any], Any],
         row_keys: RowKeys | None = None,
+        global_sums: GlobalSums | None = None,
     ) -> None:
         """`settings`: the `trainer` config node; `metric`: optimized_metric and optimized_metric_mode (max, min);
         `validated`: the metrics of the resumed checkpoint's step, if it holds them; `on_device`: a batch as the
         model takes it, on this rank's device; `row_keys`: the rows of each batch, for keyed draws (its samples'
-        indices in the validation set: the same numbers at every validation, under every strategy)."""
+        indices in the validation set: the same numbers at every validation, under every strategy); `global_sums`:
+        the loop's, whose stop votes each validation's all-reduce carries (hydraloop.loop_state)."""
         optimized_metric, optimized_metric_mode = metric
         self.strategy, self.writer, self.precision, self.task, self.model = strategy, writer, precision, task, model
         self.max_epochs, self.max_steps = settings.max_epochs, settings.max_steps
@@ -59,7 +63,7 @@ class Validation:
         self.early_stopping = EarlyStopping(patience, min_delta, optimized_metric, optimized_metric_mode)
         self.validated = validated or {}  # the latest validation's metrics...
         self.validated_at = -1  # ...and its global step (see Trainer.fit for a resumed checkpoint's)
-        self.row_keys = row_keys
+        self.row_keys, self.global_sums = row_keys, global_sums
         split = split_of(strategy, 1)
         self.draw_watch = DrawWatch(strategy.devices, split, strategy.is_main_process, name_draws=not settings.compile)
 
@@ -69,8 +73,10 @@ class Validation:
         strategy, task = self.strategy, self.task
         module = strategy.eval_module(self.model)
         module.eval()
-        # The statistics, and last whether a rank drew from torch's generators (hydraloop.draw_watch).
-        totals = torch.zeros(task.num_statistics + 1, dtype=torch.float64, device=strategy.device)
+        # The statistics, the ranks' stop votes, and last whether a rank drew from torch's generators
+        # (hydraloop.draw_watch).
+        num_statistics = task.num_statistics
+        totals = torch.zeros(num_statistics + len(STOP_SIGNALS) + 1, dtype=torch.float64, device=strategy.device)
         batches = itertools.islice(loader, self.limit_val_batches)
         count = min(len(loader), self.limit_val_batches or len(loader))
         # A loss over the global batch gathers over the ranks in every batch: every rank runs as many.
@@ -81,14 +87,18 @@ class Validation:
             keys = self.row_keys(0, first_row, rows, VALIDATION_PASS) if self.row_keys else nullcontext()
             with self.precision.autocast(), keys, self.draw_watch.watching(None):
                 if task.global_batch_loss:
-                    totals[:-1] += global_batch_statistics(task, module, batch, strategy)
+                    totals[:num_statistics] += global_batch_statistics(task, module, batch, strategy)
                 else:
-                    totals[:-1] += task.validation_statistics(module, batch)
+                    totals[:num_statistics] += task.validation_statistics(module, batch)
             first_row += rows
+        if self.global_sums:  # a stop signal that came during the pass is agreed on at its end
+            totals[num_statistics:-1] = torch.tensor(self.global_sums.stop_votes(), dtype=torch.float64)
         totals[-1] = self.draw_watch.flag()
         totals = strategy.all_reduce(totals).tolist()
+        if self.global_sums:
+            self.global_sums.agree(totals[num_statistics:-1])
         self.draw_watch.reduced(totals[-1])
-        metrics = task.metrics_from(totals[:-1])
+        metrics = task.metrics_from(totals[:num_statistics])
         return {**metrics, **(task.extra_metrics.compute() if task.extra_metrics else {})}
 
     def metrics(self, trainer: TrainerView, state: TrainState) -> dict[str, float]:

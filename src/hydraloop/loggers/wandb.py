@@ -11,6 +11,7 @@ with the same run id, uploaded after the first with `wandb sync --append`.
 
 from __future__ import annotations
 
+import atexit
 import netrc
 import os
 from collections.abc import Sequence
@@ -66,6 +67,13 @@ class WandbLogger(NullLogger):
         )
         self.run.summary["model/params"] = run.num_params
         self.run.summary["run_dir"] = str(run.run_dir)
+        # A run that raises is finished as failed here, at its exit, before W&B's own exit handler (registered
+        # before, so run after) tears its service down: torn down unfinished, the run's pending requests ended as
+        # HandleAbandonedError tracebacks in its debug.log.
+        atexit.register(self._finish_failed)
+
+    def _finish_failed(self) -> None:
+        self.run.finish(exit_code=1)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         # Calls with the same step (train and validation metrics at an epoch's last step) fill one history row.
@@ -73,11 +81,13 @@ class WandbLogger(NullLogger):
 
     def interrupted(self) -> None:
         self.run.mark_preempting()  # shown as preempted, not crashed, when the process exits non-zero
+        atexit.unregister(self._finish_failed)  # W&B's exit handler ends it with the exit code (128 + the signal)
 
     def finish(self, metrics: dict[str, Any]) -> None:
         self.run.log({}, commit=True)  # the last row first: written later, it would overwrite the summary below
         self.run.summary.update(metrics)
         self.run.finish()
+        atexit.unregister(self._finish_failed)
 
 
 def _check_environment() -> None:
