@@ -250,15 +250,19 @@ def command_runs(args, data: tuple[Path, Path]) -> list[dict]:
                 trainer += ["--equal-work", "--evaluate"] if equal else []
                 commands[f"hydraloop, {mode}"], commands[f"Trainer, {mode}"] = hydraloop, trainer
             times: dict[str, list[float]] = {label: [] for label in commands}
+            results: dict[str, float | None] = {}
             for repeat in range(-1, args.repeats):  # -1: the untimed first runs, which fill the data caches
                 for label, command in commands.items():
                     if label.startswith("hydraloop"):  # a run directory of its own, none resumed; no comma in it
                         run_dir = f"{tmp}/{workload}_{label.split(', ')[1].replace(' ', '_')}_{repeat}"
                         command = [*command, f"hydra.run.dir={run_dir}"]
                     start = time.perf_counter()
-                    subprocess.run(command, cwd=REPO, check=True, capture_output=True)
+                    done = subprocess.run(command, cwd=REPO, check=True, capture_output=True, text=True)
                     if repeat >= 0:
                         times[label].append(time.perf_counter() - start)
+                    results[label] = result_of(
+                        workload, done.stdout, run_dir if label.startswith("hydraloop") else None
+                    )
             for mode in MODES:
                 ours, theirs = times[f"hydraloop, {mode}"], times[f"Trainer, {mode}"]
                 rows.append(
@@ -269,9 +273,27 @@ def command_runs(args, data: tuple[Path, Path]) -> list[dict]:
                         "trainer_s": statistics.median(theirs),
                         "ratio": statistics.median(b / a for a, b in zip(ours, theirs)),
                         "samples": {"hydraloop": ours, "Trainer": theirs},
+                        "result": RESULTS[workload][0],
+                        "hydraloop_result": results[f"hydraloop, {mode}"],
+                        "trainer_result": results[f"Trainer, {mode}"],
                     }
                 )
     return rows
+
+
+# What each workload's whole command is scored by: hydraloop's metric (metrics.json) and Trainer's (its last
+# evaluation, printed by benchmark_hf_trainer_run.py), both on the same held-out rows after the last epoch.
+RESULTS = {"bert": ("accuracy", "val/acc", "eval_accuracy"), "gpt2": ("loss", "val/loss", "eval_loss")}
+
+
+def result_of(workload: str, stdout: str, run_dir: str | None) -> float | None:
+    """The command's result after its last epoch: from a hydraloop run directory's metrics.json, or the Trainer
+    script's EVALUATION line (None where Trainer did not evaluate: as shipped)."""
+    _, ours, theirs = RESULTS[workload]
+    if run_dir is not None:
+        return json.loads((Path(run_dir) / "metrics.json").read_text()).get(ours)
+    line = next((line for line in stdout.splitlines() if line.startswith("EVALUATION ")), "EVALUATION {}")
+    return json.loads(line.removeprefix("EVALUATION ")).get(theirs)
 
 
 def measure(args, device: torch.device) -> dict:
@@ -301,11 +323,17 @@ def print_report(report: dict, repeats: int) -> None:
             f"{row['workload'] + ', ' + row['mode']:<36}{row['hydraloop_samples_per_s']:>11.0f}"
             f"{row['trainer_samples_per_s']:>10.0f}{row['ratio']:>8.3f}"
         )
-    print(f"{'whole command, ' + str(report['epochs']) + ' epochs, s':<36}{'hydraloop':>11}{'Trainer':>10}{'ratio':>8}")
+    print(
+        f"{'whole command, ' + str(report['epochs']) + ' epochs, s':<36}{'hydraloop':>11}{'Trainer':>10}{'ratio':>8}"
+        f"  results (hydraloop, Trainer)"
+    )
     for row in report["command_line"]:
+        scores = ", ".join(
+            "-" if row[key] is None else f"{row[key]:.4f}" for key in ("hydraloop_result", "trainer_result")
+        )
         print(
             f"{row['workload'] + ', ' + row['mode']:<36}{row['hydraloop_s']:>11.2f}{row['trainer_s']:>10.2f}"
-            f"{row['ratio']:>8.3f}"
+            f"{row['ratio']:>8.3f}  {row['result']}: {scores}"
         )
     print("ratio > 1: hydraloop faster (samples/s hydraloop over Trainer; seconds Trainer over hydraloop)")
 

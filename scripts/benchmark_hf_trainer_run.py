@@ -6,10 +6,14 @@ download), `Trainer(...).train()`. benchmark_hf_trainer.py runs it as a whole co
     python scripts/benchmark_hf_trainer_run.py {bert,gpt2} CSV TOKENIZER_JSON [--epochs 3] [--equal-work]
                                               [--evaluate] [--device auto] [--precision 32]
 
+With --evaluate it prints the last evaluation's metrics (the loss, and the classifier's accuracy) on a line of its own,
+`EVALUATION {...}`.
+
 It imports torch, transformers and datasets only, as such a script does: its start-up is a Trainer user's.
 """
 
 import argparse
+import json
 import tempfile
 
 import transformers
@@ -127,7 +131,19 @@ def build_trainer(
         train_dataset=train,
         eval_dataset=val if evaluate else None,
         callbacks=callbacks,
+        compute_metrics=accuracy if evaluate and workload == "bert" else None,  # hydraloop's val/acc
     )
+
+
+def accuracy(prediction) -> dict[str, float]:
+    """The classifier's share of held-out lines whose play it names."""
+    return {"accuracy": float((prediction.predictions.argmax(-1) == prediction.label_ids).mean())}
+
+
+def last_evaluation(trainer: Trainer) -> dict[str, float]:
+    """The metrics of the evaluation after the last epoch ({} without --evaluate)."""
+    evaluations = [entry for entry in trainer.state.log_history if "eval_loss" in entry]
+    return evaluations[-1] if evaluations else {}
 
 
 def main() -> None:
@@ -154,6 +170,8 @@ def main() -> None:
             output_dir=output_dir,
         )
         trainer.train()
+    # The results, for benchmark_hf_trainer.py to set beside hydraloop's metrics.json.
+    print("EVALUATION " + json.dumps(last_evaluation(trainer)))
 
 
 if __name__ == "__main__":
