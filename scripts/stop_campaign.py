@@ -1,20 +1,24 @@
 """Stop signals at chosen moments of a `python src/train.py parallel=ddp` run (or fsdp), and what each leaves.
 
 Each try runs the command in a temporary folder of its own (TMPDIR) and sends SIGTERM to the launcher at one moment:
-`start` (a random instant while the ranks start: forked, spawned, joining the process group, building), `first-step`
-(rank 0 inside step 1), `mid-epoch` (rank 0 inside step 13 of 44), `validation` (rank 0 inside the validation at the
-end of epoch 1, at its batch 3 of 6) or `checkpoint` (rank 0 inside the write of that epoch's checkpoint, step 22:
-torch.save has its file open; under fsdp the shards are in the staging directory and state.pt is being written).
-Rank 0 waits there (tests/faults.py) until the signal is sent. It then checks that the stop ended within
---max-stop-s with exit 143 (or 0 with metrics.json: a run that finished before the signal), that every checkpoint
-left reads back whole, last.pt the newest, and no write is left unfinished (*.tmp) (a stop during a validation: at
-that validation's checkpoint), that no file is left in TMPDIR by the launch (torchelastic_*, pytorch-errorfile-*,
+`launch` (a random instant in the first 2 s of the command, before its ranks start: Python's imports, the config,
+the launcher's checks), `start` (a random instant while the ranks start: forked, spawned, joining the process group,
+building), `first-step` (rank 0 inside step 1), `mid-epoch` (rank 0 inside step 13 of 44), `validation` (rank 0
+inside the validation at the end of epoch 1, at its batch 3 of 6) or `checkpoint` (rank 0 inside the write of that
+epoch's checkpoint, step 22: torch.save has its file open; under fsdp the shards are in the staging directory and
+state.pt is being written). Rank 0 waits there (tests/faults.py) until the signal is sent. The signal is SIGTERM, or
+in turn those --signals names: SIGINT (Ctrl-C: the ranks end at once, without a checkpoint) or SIGTERM-twice (a
+second SIGTERM 0.2 s after the first). It then checks that the stop ended within --max-stop-s with exit 128 + the
+signal's number (or 0 with metrics.json: a run that finished before the signal), that every checkpoint left reads
+back whole, last.pt the newest, and no write is left unfinished (*.tmp) (a stop during a validation: at that
+validation's checkpoint), that no file is left in TMPDIR by the launch (torchelastic_*, pytorch-errorfile-*,
 hydraloop-ranks-*, pymp-*) and no process of the run is left (each carries a marker in its environment), and that
 the same command rerun ends at the uninterrupted run's parameters (dropout included).
 
-    python scripts/stop_campaign.py --tries 48                       # ddp, fork and spawn, the five moments
+    python scripts/stop_campaign.py --tries 48                       # ddp, fork and spawn, the six moments
     python scripts/stop_campaign.py --tries 16 --parallel ddp fsdp --moments validation checkpoint
     python scripts/stop_campaign.py --tries 12 --parallel fsdp --out campaign.json
+    python scripts/stop_campaign.py --tries 40 --parallel ddp fsdp --signals SIGTERM SIGINT SIGTERM-twice
 
 One line per try, then a summary; exit 1 if any try failed. tests/test_stop_campaign.py runs a few tries.
 """
@@ -42,6 +46,7 @@ RECIPE = ("trainer.max_epochs=2", "model.dropout=0.2", "trainer.log_every_n_step
 # Where rank 0 waits for the signal: in training step N, in the validation after step N (its batch 3 of 6), or in
 # the write of the checkpoint of step N (22: the end of epoch 1 of 2).
 MOMENTS = {
+    "launch": ("launch", None),
     "start": ("step", None),
     "first-step": ("step", 1),
     "mid-epoch": ("step", 13),
@@ -53,8 +58,10 @@ MOMENTS = {
 # made most forked `start` tries stops in training or finished runs). The signal comes at rank 0's step 1 at the
 # latest, where it waits; a try's delay_s is when it came.
 START_WINDOW_S = {"fork": 0.1, "spawn": 4.0}
+LAUNCH_WINDOW_S = 2.0  # a `launch` signal: this long at most after the command starts, before its ranks do
 LEFT_BY_A_LAUNCH = ("torchelastic_", "pytorch-errorfile-", "hydraloop-ranks-", "pymp-")
 MARKER = "HYDRALOOP_STOP_CAMPAIGN"
+SIGNALS = {"SIGTERM": [signal.SIGTERM], "SIGINT": [signal.SIGINT], "SIGTERM-twice": [signal.SIGTERM, signal.SIGTERM]}
 
 
 def read_checkpoint(path: Path) -> dict:
@@ -149,7 +156,9 @@ def ranks_started(pid: int) -> bool:
         return False
 
 
-def one_try(parallel: str, start_method: str, moment: str, folder: Path, reference: dict, rng: random.Random) -> dict:
+def one_try(
+    parallel: str, start_method: str, moment: str, folder: Path, reference: dict, rng: random.Random, sent: str
+) -> dict:
     tmpdir, faults, run_dir = folder / "tmp", folder / "faults", folder / "run"
     for path in (tmpdir, faults):
         path.mkdir(parents=True)
@@ -160,7 +169,12 @@ def one_try(parallel: str, start_method: str, moment: str, folder: Path, referen
     job = subprocess.Popen(job_command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         said_before = []
-        if step is None:
+        if where == "launch":  # importing, composing the config, the launcher's checks: no rank yet
+            started = time.monotonic()
+            deadline = started + rng.uniform(0, LAUNCH_WINDOW_S)
+            while time.monotonic() < deadline and not ranks_started(job.pid) and job.poll() is None:
+                time.sleep(0.005)
+        elif step is None:
             for line in job.stdout:  # the launcher has taken the run directory, and starts the ranks next
                 said_before.append(line)
                 if "run directory: " in line:
@@ -168,13 +182,16 @@ def one_try(parallel: str, start_method: str, moment: str, folder: Path, referen
             while not ranks_started(job.pid) and job.poll() is None:
                 time.sleep(0.01)
             started = time.monotonic()
-        deadline = started + rng.uniform(0, START_WINDOW_S[start_method]) if step is None else math.inf
-        while time.monotonic() < deadline and not (faults / "paused").exists() and job.poll() is None:
-            time.sleep(0.005)
+        if where != "launch":
+            deadline = started + rng.uniform(0, START_WINDOW_S[start_method]) if step is None else math.inf
+            while time.monotonic() < deadline and not (faults / "paused").exists() and job.poll() is None:
+                time.sleep(0.005)
         signalled = time.monotonic()
         delay = signalled - started if step is None else 0.0
-        job.send_signal(signal.SIGTERM)
-        (faults / "resume").touch()
+        for number, signum in enumerate(SIGNALS[sent]):
+            time.sleep(0.2 if number else 0.0)
+            job.send_signal(signum)
+            (faults / "resume").touch()
         output = "".join(said_before) + job.communicate(timeout=180)[0]
         stop_s = time.monotonic() - signalled
     finally:
@@ -183,16 +200,22 @@ def one_try(parallel: str, start_method: str, moment: str, folder: Path, referen
             job.kill()
     said = [line.split(" - ", 1)[-1] for line in output.splitlines() if "][hydraloop][ERROR]" in line]
     result = {"parallel": parallel, "start_method": start_method, "moment": moment, "delay_s": round(delay, 3)}
+    result["signal"] = sent
     result |= {"exit": job.returncode, "stop_s": round(stop_s, 2), "said": said[-1] if said else ""}
     result["left"] = left_behind(tmpdir, marker)
     finished = (run_dir / "metrics.json").exists()
     # A run that finished before the signal: exit 0, or the signal's own where it came as the process ended
     # (docs/scaling-out.md); metrics.json says it finished either way.
-    as_expected = job.returncode == 143 and not finished or job.returncode in (0, -15) and finished
+    stopped = 128 + SIGNALS[sent][0]
+    as_expected = job.returncode == stopped and not finished or job.returncode in (0, -SIGNALS[sent][0]) and finished
+    # Before Python has installed hydraloop's handlers (its imports), the signal's default action ends the process:
+    # a shell shows 128 + its number all the same, and there is nothing it could have written.
+    as_expected |= where == "launch" and job.returncode == -SIGNALS[sent][0] and not run_dir.exists()
     result["problems"] = [] if as_expected else [f"exit {job.returncode}, metrics.json {finished}:\n{output[-3000:]}"]
     result["last_pt_step"], damaged = checkpoints_after_a_stop(run_dir)
     result["problems"] += [f"checkpoints: {'; '.join(damaged)}"] if damaged else []
-    if where == "validation" and job.returncode == 143 and result["last_pt_step"] != step:  # it carries the votes
+    # A stop signal's votes travel in the validation's all-reduce (SIGINT ends the ranks at once instead).
+    if where == "validation" and job.returncode == 143 and result["last_pt_step"] != step:
         result["problems"].append(f"a stop during step {step}'s validation stopped at step {result['last_pt_step']}")
     rerun = subprocess.run(job_command, env=env, capture_output=True, text=True, timeout=300)
     result["left"] += left_behind(tmpdir, marker)
@@ -221,6 +244,7 @@ def main() -> int:
     parser.add_argument("--parallel", nargs="+", default=["ddp"], choices=["ddp", "fsdp"])
     parser.add_argument("--start-methods", nargs="+", default=["fork", "spawn"], choices=["fork", "spawn"])
     parser.add_argument("--moments", nargs="+", default=list(MOMENTS), choices=list(MOMENTS))
+    parser.add_argument("--signals", nargs="+", default=["SIGTERM"], choices=list(SIGNALS), help="sent in turn")
     parser.add_argument("--max-stop-s", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=0, help="of the random instants of `start` tries")
     parser.add_argument("--out", type=Path, help="a JSON file of every try")
@@ -254,14 +278,15 @@ def main() -> int:
         ]
         for number, (parallel, moment, start_method) in enumerate(itertools.islice(itertools.cycle(plan), args.tries)):
             folder = Path(root, f"try-{number}")
-            result = one_try(parallel, start_method, moment, folder, references[parallel], rng)
+            sent = args.signals[number % len(args.signals)]
+            result = one_try(parallel, start_method, moment, folder, references[parallel], rng, sent)
             result["problems"] = judge(result, args.max_stop_s)
             failed += bool(result["problems"])
             results.append(result)
             verdict = "ok" if not result["problems"] else "FAILED: " + "; ".join(result["problems"])
             print(
-                f"{number:3d} {parallel} {start_method:5s} {moment:10s} delay {result['delay_s']:5.2f} s: exit "
-                f"{result['exit']} in {result['stop_s']:5.2f} s, last.pt step {result['last_pt_step']}, rerun "
+                f"{number:3d} {parallel} {start_method:5s} {moment:10s} {sent:13s} delay {result['delay_s']:5.2f} "
+                f"s: exit {result['exit']} in {result['stop_s']:5.2f} s, last.pt step {result['last_pt_step']}, rerun "
                 f"{result.get('resume_diff', '-')}: {verdict} "
                 f"({result['said']})",
                 flush=True,

@@ -58,6 +58,7 @@ def test_stops_at_each_moment_end_within_seconds_resumable_and_leave_nothing(tmp
     ends at the uninterrupted run's parameters (whose run leaves nothing either)."""
     out = tmp_path / "tries.json"
     command = [sys.executable, str(REPO / "scripts" / "stop_campaign.py"), "--tries", "5", "--out", str(out)]
+    command += ["--moments", "start", "first-step", "mid-epoch", "validation", "checkpoint"]  # not `launch`: no rank
     done = subprocess.run(command, env=train_env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "5 tries, 0 failed" in done.stdout, done.stdout
