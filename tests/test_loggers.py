@@ -207,18 +207,30 @@ def test_a_stop_signal_marks_the_run_preempted_and_the_rerun_finishes_it(logged,
 
 
 @pytest.mark.slow
-def test_a_failed_rank_finishes_the_wandb_run_as_failed(train_env, tmp_path):
-    """A ddp run whose rank 1 raises: rank 0 finishes its W&B run at its exit, with exit code 1. Left to W&B's own
-    exit handler, the service was torn down under the unfinished run: its exit code was recorded, and its debug.log
-    held two HandleAbandonedError tracebacks."""
+@pytest.mark.parametrize("end", ["failed", "stopped"])
+def test_a_ddp_runs_wandb_run_is_finished_with_the_jobs_exit_code(end, train_env, tmp_path):
+    """A ddp run whose rank 1 raises: rank 0 finishes its W&B run at its exit, with exit code 1. One stopped by
+    SIGTERM: rank 0 finishes it as it stops, preempted, with exit code 143 (the rank itself hands its stop to the
+    launcher and exits 0). Left to W&B's own exit handler, the service was torn down under the unfinished run: its
+    debug.log held HandleAbandonedError tracebacks, and the stopped run was recorded with exit code 0."""
     env = {**train_env, "WANDB_MODE": "offline", "WANDB_CONFIG_DIR": str(tmp_path), "WANDB_CACHE_DIR": str(tmp_path)}
     command = [sys.executable, str(REPO / "src" / "train.py"), f"hydra.run.dir={tmp_path / 'run'}", "parallel=ddp"]
-    command += ["logger=wandb", "trainer.max_epochs=1", "model._target_=tests.faults.RaisingMLP", "+model.fail_rank=1"]
-    failed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
-    assert failed.returncode == 1, failed.stdout + failed.stderr
-    assert "rank 1 failed (exit code 1): RuntimeError: injected failure at step 3" in failed.stderr + failed.stdout
+    command += ["logger=wandb", "trainer.max_epochs=1"]
+    if end == "failed":
+        command += ["model._target_=tests.faults.RaisingMLP", "+model.fail_rank=1"]
+        failed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+        assert failed.returncode == 1, failed.stdout + failed.stderr
+        assert "rank 1 failed (exit code 1): RuntimeError: injected failure at step 3" in failed.stderr + failed.stdout
+    else:
+        command += ["model._target_=tests.faults.PausingMLP", f"+model.pause_file={tmp_path / 'paused'}"]
+        command += ["+model.fail_rank=0", "+model.fail_at_step=3"]
+        job = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        wait_for(tmp_path / "paused", job)
+        job.send_signal(signal.SIGTERM)
+        assert job.wait(timeout=120) == 128 + signal.SIGTERM, job.communicate()[0]
     (run,) = wandb_runs(tmp_path / "run")
-    assert run.exit_code == 1
+    assert run.exit_code == (1 if end == "failed" else 128 + signal.SIGTERM)
+    assert run.preempting == (end == "stopped")
     (debug_log,) = (tmp_path / "run").glob("wandb/offline-run-*/logs/debug.log")
     assert "HandleAbandonedError" not in debug_log.read_text()
 

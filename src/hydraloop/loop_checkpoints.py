@@ -16,6 +16,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from hydraloop.callbacks import TrainerView
 from hydraloop.checkpoint import TrainState, checkpoint_state, step_checkpoint
 from hydraloop.errors import Interrupted
+from hydraloop.loop_state import GlobalSums
 from hydraloop.losses import check_finite_weights
 from hydraloop.parallel.single import SingleDevice
 from hydraloop.precision import Precision
@@ -29,7 +30,7 @@ log = logging.getLogger("hydraloop.trainer")  # a line of the loop's, under the 
 class LoopCheckpoints:
     """`config` is stored in every checkpoint, and names the run directory (`output_dir`); `settings`: the `trainer`
     config node; `rerun_starts_from`: where a rerun into this run directory starts while this run has saved nothing
-    (said when the run fails)."""
+    (said when the run fails); `global_sums`: where the ranks agree on a stop signal (hydraloop.loop_state)."""
 
     def __init__(
         self,
@@ -42,6 +43,7 @@ class LoopCheckpoints:
         config: dict[str, Any],
         settings: Any,
         rerun_starts_from: str,
+        global_sums: GlobalSums,
     ) -> None:
         self.strategy, self.writer, self.precision = strategy, writer, precision
         self.model, self.optimizers, self.schedulers = model, optimizers, schedulers
@@ -49,7 +51,7 @@ class LoopCheckpoints:
         self.checkpoint_dir = Path(config.get("output_dir", ".")) / "checkpoints"
         self.save_checkpoints = settings.save_checkpoints
         self.replica_check = ReplicaCheck(settings.replica_check_every_n_steps, strategy)
-        self.rerun_starts_from = rerun_starts_from
+        self.rerun_starts_from, self.global_sums = rerun_starts_from, global_sums
         self.saved_at = -1  # the global step of this run's latest checkpoint
 
     def before_validation_or_checkpoint(self, trainer: TrainerView, state: TrainState) -> None:
@@ -90,6 +92,7 @@ class LoopCheckpoints:
 
         self.writer.save_checkpoint(make_state, is_best=is_best)
         self.saved_at = state.global_step
+        self.global_sums.agree_now()  # a stop signal that came while rank 0 wrote: the run stops here
 
     def written(self) -> None:
         """Waits for a checkpoint written in the background (parallel.async_checkpoint) to be on disk, and names it
@@ -120,7 +123,7 @@ class LoopCheckpoints:
         mark their runs preempted, not failed."""
         log.info("stopping %s", where)
         self.written()
-        self.writer.interrupted()
+        self.writer.interrupted(signum)
         raise Interrupted(signum, f"{where}: {self._resume_hint()}")
 
     def _resume_hint(self) -> str:

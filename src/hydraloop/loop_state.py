@@ -112,6 +112,12 @@ class GlobalSums:
         checkpoint, not at the next logging step's (after another checkpoint)."""
         return [float(self.stop_request.signum == signum) for signum in STOP_SIGNALS]
 
+    def agree_now(self) -> None:
+        """An all-reduce of the stop votes alone: after a checkpoint's write (hydraloop.loop_checkpoints), which a
+        signal may have come during, so that the run stops at that checkpoint, not after another."""
+        votes = torch.tensor(self.stop_votes(), dtype=torch.float64, device=self.strategy.device)
+        self.agree(self.strategy.all_reduce(votes).tolist())
+
     def agree(self, summed_votes: list[float]) -> None:
         self.stop_signum = next((signum for signum, n in zip(STOP_SIGNALS, summed_votes) if n), 0)
 

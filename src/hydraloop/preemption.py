@@ -19,8 +19,13 @@ Outside the training loop, from the moment a run owns its directory (hydraloop.r
 stop signal end the process through Python's exception path rather than the signal's default, which would end it on
 the spot: the run directory's lock is released, and a run stopped before it has written a record leaves the
 directory as it was (hydraloop.run_records). Exit code 128 + the signal's number, as for a stop in the loop.
+
+Once a stop is under way (an Interrupted leaving the loop or `stop_at_once`), a further stop signal changes nothing:
+it is logged and dropped (`ignore_further_stops`), where it would cut the stop's own exit path short (releasing the
+lock, closing the loggers) or end the process by the signal's default action.
 """
 
+import atexit
 import logging
 import signal
 import threading
@@ -70,6 +75,8 @@ class StopRequest:
     def __exit__(self, exc_type: type | None, exc: BaseException | None, traceback: object) -> None:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
+        if isinstance(exc, Interrupted):  # on its way out through stop_at_once's handling
+            ignore_further_stops(tuple(sig for sig, previous in self._previous.items() if previous is _stop_now))
         previous = self._previous.get(exc.signum) if isinstance(exc, Interrupted) else None
         if callable(previous) and previous is not _stop_now:  # SIG_DFL and SIG_IGN are not callable
             previous(exc.signum, None)
@@ -79,6 +86,28 @@ def _stop_now(signum: int, frame: FrameType | None) -> None:
     raise Interrupted(signum, "outside the training loop, without a checkpoint")
 
 
+def _stop_under_way(signum: int, frame: FrameType | None) -> None:
+    log.info("got %s: a stop is already under way", signal.Signals(signum).name)
+
+
+def ignore_further_stops(signals: tuple[int, ...]) -> None:
+    """From now on in this process (main thread), `signals` are logged and dropped: a stop is under way. A handler,
+    not SIG_IGN, which a spawned process would inherit; `stop_at_once` takes it over again in a later job of the same
+    process (a sweep's). At the process's exit it becomes SIG_IGN: Python's finalization sets a signal whose handler
+    is a function back to its default action, which would end the process by the signal after all."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in signals:
+            signal.signal(sig, _stop_under_way)
+        atexit.unregister(_ignored_at_exit)  # once
+        atexit.register(_ignored_at_exit)
+
+
+def _ignored_at_exit() -> None:
+    for sig in signal.valid_signals():
+        if signal.getsignal(sig) is _stop_under_way:
+            signal.signal(sig, signal.SIG_IGN)
+
+
 @contextmanager
 def stop_at_once() -> Iterator[None]:
     """While it lasts, a stop signal whose handler is the default raises Interrupted (see the module docstring);
@@ -86,12 +115,20 @@ def stop_at_once() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    ours = [sig for sig in STOP_SIGNALS if signal.getsignal(sig) is signal.SIG_DFL]
+    ours = [sig for sig in STOP_SIGNALS if signal.getsignal(sig) in (signal.SIG_DFL, _stop_under_way)]
     for sig in ours:
         signal.signal(sig, _stop_now)
+    stopping = False
     try:
         yield
+    except Interrupted:
+        stopping = True
+        raise
     finally:
-        for sig in ours:
-            if signal.getsignal(sig) is _stop_now:  # torch.distributed.elastic's launcher installs its own
+        # Another's handler (torch.distributed.elastic's launcher installs its own) stays.
+        ours = [sig for sig in ours if signal.getsignal(sig) in (_stop_now, _stop_under_way)]
+        if stopping:
+            ignore_further_stops(tuple(ours))
+        else:
+            for sig in ours:
                 signal.signal(sig, signal.SIG_DFL)

@@ -40,7 +40,7 @@ class NullRunWriter:
     def checkpoint_written(self) -> None:
         pass
 
-    def interrupted(self) -> None:
+    def interrupted(self, signum: int) -> None:
         pass
 
     def finish(self, metrics: dict[str, Any]) -> None:
@@ -145,10 +145,10 @@ class RunWriter(NullRunWriter):
             else:
                 remove(found[step])
 
-    def interrupted(self) -> None:
-        """A stop signal ends the run after its checkpoint: the loggers mark their runs preempted."""
+    def interrupted(self, signum: int) -> None:
+        """The stop signal `signum` ends the run after its checkpoint: the loggers mark their runs preempted."""
         with self._logger_errors():
-            self.logger.interrupted()
+            self.logger.interrupted(signum)
 
     def finish(self, metrics: dict[str, Any]) -> None:
         """Final metrics: to the loggers, and as metrics.json (written atomically)."""

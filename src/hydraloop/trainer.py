@@ -73,21 +73,18 @@ class Trainer:
         `callbacks`: by name (hydraloop.callbacks), set up last, once the loop is built."""
         self.strategy, self.writer, self.precision, self.task = strategy, writer, precision, task
         self.model, self.optimizers, self.schedulers = model, optimizers, schedulers
-        self.max_epochs = settings.max_epochs
-        self.max_steps = settings.max_steps
-        self.val_every_n_steps = settings.val_every_n_steps
-        self.ckpt_every_n_steps = settings.ckpt_every_n_steps
-        self.log_every_n_steps = settings.log_every_n_steps
-        self.max_consecutive_skips = settings.max_consecutive_skips
+        self.max_epochs, self.max_steps = settings.max_epochs, settings.max_steps
+        self.val_every_n_steps, self.ckpt_every_n_steps = settings.val_every_n_steps, settings.ckpt_every_n_steps
+        self.log_every_n_steps, self.max_consecutive_skips = settings.log_every_n_steps, settings.max_consecutive_skips
         self.channels_last = settings.channels_last
         self.seed = seed
         self.stop_request = stop_request or StopRequest()
         split = split_of(strategy, settings.grad_accum_steps)
         self.draw_watch = DrawWatch(strategy.devices, split, strategy.is_main_process, not settings.compile)
         # And `stop_signum`, the stop the ranks agreed on; and whether a rank drew from torch's generators.
-        self.global_sums = GlobalSums(strategy, self.stop_request, self.draw_watch)
+        self.global_sums = sums = GlobalSums(strategy, self.stop_request, self.draw_watch)
         self.checkpoints = LoopCheckpoints(
-            strategy, writer, precision, model, optimizers, schedulers, config, settings, rerun_starts_from
+            strategy, writer, precision, model, optimizers, schedulers, config, settings, rerun_starts_from, sums
         )
         self.replica_check = self.checkpoints.replica_check  # before each checkpoint, and every N steps here
         self.interval_log = IntervalLog(strategy, writer, schedulers, throughput)

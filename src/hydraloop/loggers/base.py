@@ -84,9 +84,10 @@ class NullLogger:
         after the checkpoint resumes from it and logs again only what came after; what came before must not be lost
         with the process."""
 
-    def interrupted(self) -> None:
-        """A stop signal ends the run after a checkpoint, and a rerun will continue it: written out, and marked
-        preempted where the tracker has such a state."""
+    def interrupted(self, signum: int) -> None:
+        """The stop signal `signum` ends the run after a checkpoint, and a rerun will continue it: written out, and
+        marked preempted where the tracker has such a state. The process exits with 128 + `signum` (a spawned rank
+        hands its stop to the launcher and exits 0)."""
 
     def finish(self, metrics: dict[str, Any]) -> None:
         """The final metrics (those of metrics.json); then closes the run."""
@@ -110,9 +111,9 @@ class LoggerGroup(NullLogger):
         for logger in self.loggers:
             logger.flush()
 
-    def interrupted(self) -> None:
+    def interrupted(self, signum: int) -> None:
         for logger in self.loggers:
-            logger.interrupted()
+            logger.interrupted(signum)
 
     def finish(self, metrics: dict[str, Any]) -> None:
         for logger in self.loggers:

@@ -46,7 +46,7 @@ class CSVLogger(NullLogger):
     def flush(self) -> None:
         self._write_row()
 
-    def interrupted(self) -> None:
+    def interrupted(self, signum: int) -> None:
         self._write_row()
 
     def finish(self, metrics: dict[str, Any]) -> None:

@@ -70,7 +70,7 @@ class MLflowLogger(NullLogger):
         entries = [self.Metric(key, float(value), timestamp, step) for key, value in metrics.items()]
         self.client.log_batch(self.run_id, metrics=entries)
 
-    def interrupted(self) -> None:
+    def interrupted(self, signum: int) -> None:
         self._end("KILLED")  # MLflow's state for a run stopped from outside; the rerun sets it RUNNING again
         atexit.unregister(self._end)
 

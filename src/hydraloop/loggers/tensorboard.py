@@ -43,7 +43,7 @@ class TensorBoardLogger(NullLogger):
     def flush(self) -> None:
         self.writer.flush()  # the event writer's queue, written out (it would wait for flush_secs)
 
-    def interrupted(self) -> None:
+    def interrupted(self, signum: int) -> None:
         self.writer.flush()
 
     def finish(self, metrics: dict[str, Any]) -> None:

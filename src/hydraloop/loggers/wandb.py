@@ -79,9 +79,12 @@ class WandbLogger(NullLogger):
         # Calls with the same step (train and validation metrics at an epoch's last step) fill one history row.
         self.run.log(metrics, step=step)
 
-    def interrupted(self) -> None:
-        self.run.mark_preempting()  # shown as preempted, not crashed, when the process exits non-zero
-        atexit.unregister(self._finish_failed)  # W&B's exit handler ends it with the exit code (128 + the signal)
+    def interrupted(self, signum: int) -> None:
+        self.run.mark_preempting()  # shown as preempted, not crashed, as it ends with a non-zero exit code
+        # Finished here, with the process's exit code: left to W&B's exit handler, a spawned rank's run (the rank
+        # exits 0) was recorded as exit 0, and the service was torn down under it (HandleAbandonedError).
+        self.run.finish(exit_code=128 + signum)
+        atexit.unregister(self._finish_failed)
 
     def finish(self, metrics: dict[str, Any]) -> None:
         self.run.log({}, commit=True)  # the last row first: written later, it would overwrite the summary below

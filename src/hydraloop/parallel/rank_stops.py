@@ -1,16 +1,17 @@
 """Stop signals to the launcher of spawned ranks (hydraloop.parallel.spawned_ranks), and how the ranks' ends are read.
 
-The launcher passes a stop signal on to its ranks, which decide together what it means, as under every strategy
-(hydraloop.preemption): a checkpoint where they next meet, then a stop; or, past the last step's meeting, the run's
-end and exit 0. A rank that a stop ends returns that as its result (`Stopped`), not as a failure, which the agent
-would restart (parallel.max_restarts) where the signal asked the job to stop.
+The launcher passes the first stop signal on to its ranks, which decide together what it means, as under every
+strategy (hydraloop.preemption): a checkpoint where they next meet, then a stop; or, past the last step's meeting,
+the run's end and exit 0. A rank that a stop ends returns that as its result (`Stopped`), not as a failure, which the
+agent would restart (parallel.max_restarts) where the signal asked the job to stop. SIGINT (Ctrl-C) is passed on the
+same way, and ends each rank at once, without a checkpoint. A further signal, once one is passed on, changes nothing.
 
 Ranks meet only in training. A rank that the signal ends before its training started (in its set-up: joining the
-process group, building, wrapping, resuming) or before it could take the signal at all (still starting) leaves its
-peers waiting for it, in C++ where no signal reaches them (a store or gloo connect, DDP's check of the parameters,
-the first step's all-reduce) until their timeout (parallel.timeout_s), and the launcher until
-parallel.shutdown_timeout_s. No checkpoint can come of such a start: the launcher gives the others `GRACE_S` to
-hand in their own stop, then kills them, and reports the stop without pointing at a checkpoint.
+process group, building, wrapping, resuming), or at once (SIGINT), or before it could take the signal at all (still
+starting) leaves its peers waiting for it, in C++ where no signal reaches them (a store or gloo connect, DDP's check
+of the parameters, a step's all-reduce) until their timeout (parallel.timeout_s), and the launcher until
+parallel.shutdown_timeout_s. No checkpoint can come of such an end: the launcher gives the others `GRACE_S` to hand
+in their own stop, then kills them, and reports the stop without pointing at a checkpoint.
 """
 
 import logging
@@ -27,13 +28,15 @@ from types import FrameType
 
 from torch.distributed.elastic.multiprocessing import SignalException
 
-from hydraloop.preemption import STOP_SIGNALS
+from hydraloop.errors import Interrupted
+from hydraloop.preemption import STOP_SIGNALS, ignore_further_stops
 
 log = logging.getLogger(__name__)
 
+PASSED_ON = (*STOP_SIGNALS, signal.SIGINT)
 GRACE_S = 1.0
-"""After a rank stopped before its training: the other ranks' time to hand in their own stop before they are
-killed (they got the signal too; one in Python code stops in milliseconds)."""
+"""After a rank stopped alone (before its training, or at once): the other ranks' time to hand in their own stop
+before they are killed (they got the signal too; one in Python code stops in milliseconds)."""
 WATCH_INTERVAL_S = 0.1
 
 
@@ -46,9 +49,9 @@ class Stopped:
     where: str
 
 
-def mark_stopped_before_training(marks: str | Path) -> None:
-    """Tells the launcher (`passed_on_to_ranks`) that this rank stopped before its training started: its peers may
-    wait for it where no signal reaches them."""
+def mark_stopped_alone(marks: str | Path) -> None:
+    """Tells the launcher (`passed_on_to_ranks`) that this rank stopped without its peers, before its training started
+    or at once (SIGINT): they may wait for it where no signal reaches them."""
     (Path(marks) / f"rank-{os.environ.get('RANK', '0')}").touch()
 
 
@@ -59,22 +62,24 @@ class PassedOn:
     signum: int = 0
     ranks: list[multiprocessing.Process] = field(default_factory=list)
     cut_short: str = ""
-    """Why the ranks were killed before parallel.shutdown_timeout_s: a rank stopped, or ended, before training."""
+    """Why the ranks were killed before parallel.shutdown_timeout_s: a rank stopped alone, or ended with an error."""
     _deadline: float = 0.0
     _kill_at: float | None = None
 
 
 @contextmanager
 def passed_on_to_ranks(shutdown_timeout_s: float, marks: Path) -> Iterator[PassedOn]:
-    """The launcher of spawned ranks, while they run: a stop signal (hydraloop.preemption.STOP_SIGNALS) is passed on
-    to its child processes, the ranks, and the agent goes on watching them. (The agent's own handling shuts the ranks
-    down at once and drops what they return: a rank that finished waited for its SIGKILL.)
+    """The launcher of spawned ranks, while they run: the first stop signal (hydraloop.preemption.STOP_SIGNALS, or
+    SIGINT) is passed on to its child processes, the ranks, and the agent goes on watching them; a later one is
+    dropped. (The agent's own handling shuts the ranks down at once and drops what they return: a rank that finished
+    waited for its SIGKILL; and it waits parallel.shutdown_timeout_s for one stuck in C++.)
 
     From the first signal on, the ranks are watched: they are ended, as the agent ends them on its own signals (its
     handler's SignalException, here SIGKILL's, makes it kill them, with no restart), `shutdown_timeout_s` after it,
-    or once a rank stopped before its training (a file in `marks`, `mark_stopped_before_training`; `GRACE_S` later)
-    or ended with an error (at once: the agent would stop the others and wait 30 s for one stuck in C++, or restart
-    them). A signal that finds no rank running (none started yet) is the agent's at once, as SignalException too."""
+    or once a rank stopped alone (a file in `marks`, `mark_stopped_alone`; `GRACE_S` later) or ended with an error
+    (at once: the agent would stop the others and wait 30 s for one stuck in C++, or restart them). A signal that
+    finds no rank running (none started yet) is the agent's at once, as SignalException too. Once a stop leaves
+    this block as Interrupted, further signals are dropped (hydraloop.preemption.ignore_further_stops)."""
     passed_on = PassedOn()
     if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
         yield passed_on
@@ -87,18 +92,19 @@ def passed_on_to_ranks(shutdown_timeout_s: float, marks: Path) -> Iterator[Passe
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
+        if passed_on.signum:  # in a rank, it would cut its stop's exit path short
+            log.info("got %s: the ranks are stopping already", signal.Signals(signum).name)
+            return
         ranks = multiprocessing.active_children()  # the agent starts the ranks as this process's children
         if not ranks:
             raise SignalException(f"got {signal.Signals(signum).name} with no rank running", signal.Signals(signum))
         for rank in ranks:
             with suppress(ProcessLookupError):  # ended meanwhile
                 os.kill(rank.pid, signum)
-        passed_on.ranks = ranks
-        if not passed_on.signum:
-            passed_on.signum = signum
-            passed_on._deadline = time.monotonic() + shutdown_timeout_s
-            log.info("got %s: passed on to the ranks", signal.Signals(signum).name)
-            signal.setitimer(signal.ITIMER_REAL, WATCH_INTERVAL_S, WATCH_INTERVAL_S)
+        passed_on.ranks, passed_on.signum = ranks, signum
+        passed_on._deadline = time.monotonic() + shutdown_timeout_s
+        log.info("got %s: passed on to the ranks", signal.Signals(signum).name)
+        signal.setitimer(signal.ITIMER_REAL, WATCH_INTERVAL_S, WATCH_INTERVAL_S)
 
     def watch(signum: int, frame: FrameType | None) -> None:
         now = time.monotonic()
@@ -118,11 +124,17 @@ def passed_on_to_ranks(shutdown_timeout_s: float, marks: Path) -> Iterator[Passe
         signal.setitimer(signal.ITIMER_REAL, 0)  # once: a second raise would cut the agent's kill short
         raise SignalException(why, signal.SIGKILL)
 
-    previous = {sig: signal.signal(sig, pass_on) for sig in STOP_SIGNALS}
+    previous = {sig: signal.signal(sig, pass_on) for sig in PASSED_ON}
     previous[signal.SIGALRM] = signal.signal(signal.SIGALRM, watch)
+    stopping = False
     try:
         yield passed_on
+    except Interrupted:
+        stopping = True
+        raise
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if stopping:
+            ignore_further_stops(PASSED_ON)

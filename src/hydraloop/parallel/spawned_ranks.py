@@ -17,6 +17,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import TypeVar
 
 import torch
@@ -26,11 +27,12 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from hydraloop.errors import ConfigError, Interrupted, StorageError, WorkerFailed
-from hydraloop.parallel.rank_stops import Stopped, mark_stopped_before_training, passed_on_to_ranks
+from hydraloop.parallel.rank_stops import PASSED_ON, Stopped, mark_stopped_alone, passed_on_to_ranks
 from hydraloop.preemption import STOP_SIGNALS, loops_entered, stop_at_once
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+WITHOUT_A_CHECKPOINT = "(Ctrl-C: the ranks ended at once, without a checkpoint)"
 
 
 START_METHODS = ("auto", "fork", "spawn")
@@ -131,9 +133,9 @@ def _launch(
         max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method=start_method,
-        # What ends the ranks at once (Ctrl-C's SIGINT); the stop signals are passed on by passed_on_to_ranks.
-        signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
-        shutdown_timeout=int(shutdown_timeout_s),  # how long the ranks get to end on SIGINT before SIGKILL
+        # What ends the ranks at once; the stop signals and SIGINT are passed on by passed_on_to_ranks.
+        signals_to_handle="SIGHUP,SIGQUIT",
+        shutdown_timeout=int(shutdown_timeout_s),  # how long the ranks get to end on those before SIGKILL
         logs_specs=DefaultLogsSpecs(log_dir=str(folder / "agent")),
     )
     if start_method == "fork":
@@ -148,6 +150,8 @@ def _launch(
             # {rank: result}; ranks agree, rank 0 speaks
             result = elastic_launch(config, run_rank)(str(marks), worker, *args)[0]
         except SignalException as stop:
+            if passed_on.signum == signal.SIGINT:  # the ranks ended at once (Ctrl-C), or were ended
+                raise Interrupted(signal.SIGINT, WITHOUT_A_CHECKPOINT) from None
             if passed_on.cut_short:  # a rank stopped, or ended, before its training: no checkpoint came of it
                 raise Interrupted(
                     passed_on.signum,
@@ -160,11 +164,13 @@ def _launch(
                     f"(passed on to the ranks, which had not stopped {shutdown_timeout_s:g} s later, "
                     "parallel.shutdown_timeout_s, and were killed: see train.log for their last checkpoint)",
                 ) from None
-            if stop.sigval in STOP_SIGNALS:  # no rank to pass it on to: none started yet (or all ended)
+            if stop.sigval in PASSED_ON:  # no rank to pass it on to: none started yet (or all ended)
                 raise Interrupted(stop.sigval, "while no rank was running, without a checkpoint") from None
-            raise Interrupted(stop.sigval, "(no checkpoint)") from None  # Ctrl-C's SIGINT
+            raise Interrupted(stop.sigval, "(no checkpoint)") from None  # SIGHUP, SIGQUIT
         except ChildFailedError as failed:
             rank, failure = _first_failure(failed)
+            if passed_on.signum == signal.SIGINT:  # a rank not yet listening, or its peer's collective's end
+                raise Interrupted(signal.SIGINT, WITHOUT_A_CHECKPOINT) from None
             if passed_on.signum and failure.exitcode == -passed_on.signum:  # a rank still starting, not yet listening
                 where = f"while the ranks were starting, before training, without a checkpoint (rank {rank} ended)"
                 raise Interrupted(passed_on.signum, where) from None
@@ -174,8 +180,8 @@ def _launch(
             if str(message).startswith("StorageError: "):  # rank 0's failed write: its own line and exit code
                 raise StorageError(str(message).removeprefix("StorageError: ")) from None
             raise WorkerFailed(f"rank {rank} failed (exit code {failure.exitcode}): {message}") from None
-    if isinstance(result, Stopped):
-        raise Interrupted(result.signum, result.where)
+        if isinstance(result, Stopped):
+            raise Interrupted(result.signum, result.where)
     return result
 
 
@@ -211,19 +217,30 @@ def run_rank(stop_marks: str, worker: Callable[..., T], *args) -> T | Stopped:
         _start_as_a_spawned_rank()
     _multiprocessing_files_in(Path(stop_marks).parent)
     loops_before = loops_entered()
+    signal.signal(signal.SIGINT, _interrupt_once)
     with stop_at_once():
         try:
             result = worker(*args)
         except Interrupted as stop:
             result = Stopped(stop.signum, str(stop).removeprefix(f"stopped by {signal.Signals(stop.signum).name} "))
             if loops_entered() == loops_before:
-                mark_stopped_before_training(stop_marks)
+                mark_stopped_alone(stop_marks)
+        except KeyboardInterrupt:  # its peers may wait for it in a collective
+            result = Stopped(signal.SIGINT, WITHOUT_A_CHECKPOINT)
+            mark_stopped_alone(stop_marks)
         # The rank's work is done; a stop signal passed on from now (the launcher's comes asynchronously, and may
         # reach a rank that finished first) has nothing left to stop, while its default would end the process as a
         # failed rank as it hands its result to the agent.
-        for sig in STOP_SIGNALS:
+        for sig in (*STOP_SIGNALS, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
         return result
+
+
+def _interrupt_once(signum: int, frame: FrameType | None) -> None:
+    """SIGINT in a rank: KeyboardInterrupt, once. Ctrl-C in a terminal reaches the ranks and their launcher, which
+    passes it on too: a second KeyboardInterrupt would cut the first's way out short (the run directory's lock)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 def _multiprocessing_files_in(folder: Path) -> None:
