@@ -1,19 +1,20 @@
 """Stop signals at chosen moments of a `python src/train.py parallel=ddp` run (or fsdp), and what each leaves.
 
 Each try runs the command in a temporary folder of its own (TMPDIR) and sends SIGTERM to the launcher at one moment:
-`launch` (a random instant in the first 2 s of the command, before its ranks start: Python's imports, the config,
-the launcher's checks), `start` (a random instant while the ranks start: forked, spawned, joining the process group,
-building), `first-step` (rank 0 inside step 1), `mid-epoch` (rank 0 inside step 13 of 44), `validation` (rank 0
-inside the validation at the end of epoch 1, at its batch 3 of 6) or `checkpoint` (rank 0 inside the write of that
-epoch's checkpoint, step 22: torch.save has its file open; under fsdp the shards are in the staging directory and
-state.pt is being written). Rank 0 waits there (tests/faults.py) until the signal is sent. The signal is SIGTERM, or
-in turn those --signals names: SIGINT (Ctrl-C: the ranks end at once, without a checkpoint) or SIGTERM-twice (a
-second SIGTERM 0.2 s after the first). It then checks that the stop ended within --max-stop-s with exit 128 + the
-signal's number (or 0 with metrics.json: a run that finished before the signal), that every checkpoint left reads
-back whole, last.pt the newest, and no write is left unfinished (*.tmp) (a stop during a validation: at that
-validation's checkpoint), that no file is left in TMPDIR by the launch (torchelastic_*, pytorch-errorfile-*,
-hydraloop-ranks-*, pymp-*) and no process of the run is left (each carries a marker in its environment), and that
-the same command rerun ends at the uninterrupted run's parameters (dropout included).
+`launch` (a random instant in the first 2 s of the command, before its ranks start: Python's imports, the config, the
+launcher's checks), `start` (a random instant while the ranks start: forked, spawned, joining the process group,
+building), `first-step` (rank 0 inside step 1), `mid-epoch` (rank 0 inside step 13 of 44), `validation` (rank 0 inside
+the validation at the end of epoch 1, at its batch 3 of 6) or `checkpoint` (rank 0 inside the write of that epoch's
+checkpoint, step 22: torch.save has its file open; under fsdp the shards are in the staging directory and state.pt is
+being written). Rank 0 waits there (tests/faults.py) until the signal is sent. The signal is SIGTERM, or in turn
+(shifted at each round of the moments, so that each moment meets each) those --signals names: SIGINT (Ctrl-C: the ranks
+end at once, without a checkpoint) or SIGTERM-twice (a second SIGTERM 0.2 s after the first). It then checks that the
+stop ended within --max-stop-s with exit 128 + the signal's number (or 0 with metrics.json: a run that finished before
+the signal), that every checkpoint left reads back whole, last.pt the newest, and no write is left unfinished (*.tmp) (a
+stop during a validation: at that validation's checkpoint), that no file is left in TMPDIR by the launch
+(torchelastic_*, pytorch-errorfile-*, hydraloop-ranks-*, pymp-*) and no process of the run is left (each carries a
+marker in its environment), and that the same command rerun ends at the uninterrupted run's parameters (dropout
+included).
 
     python scripts/stop_campaign.py --tries 48                       # ddp, fork and spawn, the six moments
     python scripts/stop_campaign.py --tries 16 --parallel ddp fsdp --moments validation checkpoint
@@ -278,7 +279,8 @@ def main() -> int:
         ]
         for number, (parallel, moment, start_method) in enumerate(itertools.islice(itertools.cycle(plan), args.tries)):
             folder = Path(root, f"try-{number}")
-            sent = args.signals[number % len(args.signals)]
+            # Shifted by one at each round of the moments: every moment meets every signal.
+            sent = args.signals[(number + number // len(args.moments)) % len(args.signals)]
             result = one_try(parallel, start_method, moment, folder, references[parallel], rng, sent)
             result["problems"] = judge(result, args.max_stop_s)
             failed += bool(result["problems"])

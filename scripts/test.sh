@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 set +e
-.venv/bin/python -m pytest -n 2 --dist worksteal "$@"
+.venv/bin/python -m pytest -n 2 --dist worksteal --durations=40 "$@"  # the slowest, to keep the suite in its budget
 status=$?
 set -e
 if [ "$status" -eq 5 ]; then

@@ -70,11 +70,15 @@ def lm_single(run_train, plays, lines):
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["parallel=ddp", "parallel.nproc_per_node=2", "trainer.grad_accum_steps=2"],
+        [
+            "parallel=ddp",
+            "parallel.nproc_per_node=2",
+            "trainer.grad_accum_steps=2",
+            "model.gradient_checkpointing=true",
+        ],
         ["trainer.grad_accum_steps=4"],
-        ["parallel=ddp", "parallel.nproc_per_node=2", "model.gradient_checkpointing=true"],
     ],
-    ids=["ddp-accum", "accum", "ddp-recompute"],
+    ids=["ddp-accum-recompute", "accum"],
 )
 def test_a_token_weighted_loss_over_padded_texts_trains_the_single_process_weights(
     run_train, plays, lines, lm_single, overrides
@@ -90,30 +94,19 @@ def test_a_token_weighted_loss_over_padded_texts_trains_the_single_process_weigh
     assert split.checkpoint()["global_step"] == lm_single.checkpoint()["global_step"] == 5
 
 
-@pytest.fixture(scope="module")
-def opt_single(run_train, plays, lines):
-    run = run_train(*causal_lm(plays, lines, architecture=TINY_OPT))
-    assert run.returncode == 0, run.output
-    return run
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        ["parallel=ddp", "parallel.nproc_per_node=2"],
-        ["trainer.grad_accum_steps=2", "trainer.activation_checkpointing=true"],
-    ],
-    ids=["ddp", "accum-recompute"],
-)
-def test_dropout_called_as_a_function_trains_the_single_process_weights(run_train, plays, lines, opt_single, overrides):
+def test_dropout_called_as_a_function_trains_the_single_process_weights(run_train, plays, lines):
     """OPT's dropout is nn.functional.dropout, keyed by its calls' order in the forward pass: the same calls under
-    every split, and in a block recomputed in the backward pass (trainer.activation_checkpointing)."""
-    split = run_train(*causal_lm(plays, lines, *overrides, architecture=TINY_OPT))
-    assert split.returncode == 0, split.output
+    every split (ddp with accumulation), and in a block recomputed in the backward pass
+    (trainer.activation_checkpointing)."""
+    single = run_train(*causal_lm(plays, lines, architecture=TINY_OPT))
+    assert single.returncode == 0, single.output
+    split_recomputed = ["parallel=ddp", "parallel.nproc_per_node=2", "trainer.grad_accum_steps=2"]
+    split_recomputed.append("trainer.activation_checkpointing=true")
+    split = run_train(*causal_lm(plays, lines, *split_recomputed, architecture=TINY_OPT))
     assert "not equal single-process training" not in split.output
-    assert max_param_diff(split.checkpoint()["model"], opt_single.checkpoint()["model"]) < 1e-5
-    assert split.metrics["val/loss"] == pytest.approx(opt_single.metrics["val/loss"], rel=1e-5)
+    assert max_param_diff(split.checkpoint()["model"], single.checkpoint()["model"]) < 1e-5
+    assert split.metrics["val/loss"] == pytest.approx(single.metrics["val/loss"], rel=1e-5)
 
 
 @pytest.mark.slow

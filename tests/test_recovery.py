@@ -63,6 +63,24 @@ def test_stop_signal_mid_epoch_then_rerun_ends_where_the_uninterrupted_run_ends(
     assert resumed["metrics"]["val/acc"] == expected["metrics"]["val/acc"]
 
 
+def test_ctrl_c_ends_a_single_process_run_in_one_line(train_env, tmp_path):
+    """SIGINT in one process: Python's KeyboardInterrupt, wherever it came (here inside a step), ends the run as the
+    launcher of ranks ends it, in one line and exit 130, without a checkpoint; it printed a traceback of torch's
+    internals before. The run directory's lock is released."""
+    pause_file = tmp_path / "paused"
+    command = [sys.executable, str(TRAIN), f"hydra.run.dir={tmp_path / 'run'}", *RECIPE]
+    command += ["model._target_=tests.faults.PausingMLP", f"+model.pause_file={pause_file}", "+model.fail_rank=0"]
+    job = subprocess.Popen(command, env=train_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for(pause_file, job)
+    job.send_signal(signal.SIGINT)
+    output = job.communicate(timeout=60)[0]
+    assert job.returncode == 128 + signal.SIGINT, output
+    assert "stopped by SIGINT (Ctrl-C: ended at once, without a checkpoint)" in output
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output
+    assert not (tmp_path / "run" / "checkpoints" / "last.pt").exists()
+    assert not (tmp_path / "run" / "run.lock").exists()
+
+
 def test_killed_rank_ends_the_job_within_seconds_and_keeps_the_last_checkpoint(run_train):
     started = time.monotonic()
     run = run_train(

@@ -14,6 +14,7 @@ log = logging.getLogger("hydraloop")
 BAD_INPUT_EXIT_CODE = 2
 FAILED_EXIT_CODE = 1
 STORAGE_EXIT_CODE = 74  # EX_IOERR in sysexits.h: a wrapper script can tell a full disk from a failed run
+CTRL_C = "(Ctrl-C: ended at once, without a checkpoint)"
 
 
 class ConfigError(ValueError):
@@ -106,6 +107,10 @@ def exit_on_error() -> Iterator[None]:
         log.error("%s", error)
         sys.exit(STORAGE_EXIT_CODE)
     except Interrupted as error:
+        log.error("%s", error)
+        sys.exit(error.exit_code)
+    except KeyboardInterrupt:  # SIGINT where Python's handler is left: a traceback of wherever it came
+        error = Interrupted(signal.SIGINT, CTRL_C)
         log.error("%s", error)
         sys.exit(error.exit_code)
     except Exception as error:

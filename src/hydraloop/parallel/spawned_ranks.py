@@ -26,13 +26,12 @@ from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from hydraloop.errors import ConfigError, Interrupted, StorageError, WorkerFailed
+from hydraloop.errors import CTRL_C, ConfigError, Interrupted, StorageError, WorkerFailed
 from hydraloop.parallel.rank_stops import PASSED_ON, Stopped, mark_stopped_alone, passed_on_to_ranks
 from hydraloop.preemption import STOP_SIGNALS, loops_entered, stop_at_once
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
-WITHOUT_A_CHECKPOINT = "(Ctrl-C: the ranks ended at once, without a checkpoint)"
 
 
 START_METHODS = ("auto", "fork", "spawn")
@@ -151,7 +150,7 @@ def _launch(
             result = elastic_launch(config, run_rank)(str(marks), worker, *args)[0]
         except SignalException as stop:
             if passed_on.signum == signal.SIGINT:  # the ranks ended at once (Ctrl-C), or were ended
-                raise Interrupted(signal.SIGINT, WITHOUT_A_CHECKPOINT) from None
+                raise Interrupted(signal.SIGINT, CTRL_C) from None
             if passed_on.cut_short:  # a rank stopped, or ended, before its training: no checkpoint came of it
                 raise Interrupted(
                     passed_on.signum,
@@ -170,7 +169,7 @@ def _launch(
         except ChildFailedError as failed:
             rank, failure = _first_failure(failed)
             if passed_on.signum == signal.SIGINT:  # a rank not yet listening, or its peer's collective's end
-                raise Interrupted(signal.SIGINT, WITHOUT_A_CHECKPOINT) from None
+                raise Interrupted(signal.SIGINT, CTRL_C) from None
             if passed_on.signum and failure.exitcode == -passed_on.signum:  # a rank still starting, not yet listening
                 where = f"while the ranks were starting, before training, without a checkpoint (rank {rank} ended)"
                 raise Interrupted(passed_on.signum, where) from None
@@ -226,7 +225,7 @@ def run_rank(stop_marks: str, worker: Callable[..., T], *args) -> T | Stopped:
             if loops_entered() == loops_before:
                 mark_stopped_alone(stop_marks)
         except KeyboardInterrupt:  # its peers may wait for it in a collective
-            result = Stopped(signal.SIGINT, WITHOUT_A_CHECKPOINT)
+            result = Stopped(signal.SIGINT, CTRL_C)
             mark_stopped_alone(stop_marks)
         # The rank's work is done; a stop signal passed on from now (the launcher's comes asynchronously, and may
         # reach a rank that finished first) has nothing left to stop, while its default would end the process as a
