@@ -6,7 +6,7 @@ launcher's checks), `start` (a random instant while the ranks start: forked, spa
 building), `first-step` (rank 0 inside step 1), `mid-epoch` (rank 0 inside step 13 of 44), `validation` (rank 0 inside
 the validation at the end of epoch 1, at its batch 3 of 6) or `checkpoint` (rank 0 inside the write of that epoch's
 checkpoint, step 22: torch.save has its file open; under fsdp the shards are in the staging directory and state.pt is
-being written). Rank 0 waits there (tests/faults.py) until the signal is sent. The signal is SIGTERM, or in turn
+being written). Rank 0 waits there (tests/waits.py) until the signal is sent. The signal is SIGTERM, or in turn
 (shifted at each round of the moments, so that each moment meets each) those --signals names: SIGINT (Ctrl-C: the ranks
 end at once, without a checkpoint) or SIGTERM-twice (a second SIGTERM 0.2 s after the first). It then checks that the
 stop ended within --max-stop-s with exit 128 + the signal's number (or 0 with metrics.json: a run that finished before
@@ -122,20 +122,20 @@ def command(
 ) -> list[str]:
     """The run's command; with `faults`, rank 0 writes `faults/paused` in training step `step` (`where`: step), in
     the validation after it (validation) or in the write of its checkpoint (checkpoint), and waits there until
-    `faults/resume` exists (tests/faults.py)."""
+    `faults/resume` exists (tests/waits.py)."""
     overrides = [f"parallel={parallel}", f"parallel.start_method={start_method}", *RECIPE, f"hydra.run.dir={run_dir}"]
     if faults is None:
         return [sys.executable, str(TRAIN), *overrides]
     files = {"pause_file": faults / "paused", "resume_file": faults / "resume"}
     if where == "checkpoint":
         overrides += [
-            "+callbacks.waiting._target_=tests.faults.WaitingInCheckpointWrite",
+            "+callbacks.waiting._target_=tests.waits.WaitingInCheckpointWrite",
             f"+callbacks.waiting.at_step={step}",
         ]
         overrides += [f"+callbacks.waiting.{name}={path}" for name, path in files.items()]
     else:
         model = "WaitingInValidationMLP" if where == "validation" else "WaitingInARankMLP"
-        overrides += [f"model._target_=tests.faults.{model}", "+model.fail_rank=0", f"+model.fail_at_step={step}"]
+        overrides += [f"model._target_=tests.waits.{model}", "+model.fail_rank=0", f"+model.fail_at_step={step}"]
         overrides += ["+model.at_batch=3"] if where == "validation" else []
         overrides += [f"+model.{name}={path}" for name, path in files.items()]
     return [sys.executable, str(TRAIN), *overrides]

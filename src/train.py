@@ -6,6 +6,11 @@ hydraloop.build, runs the loop, and writes the final metrics).
 """
 
 import gc
+import signal
+
+# Ctrl-C while the imports below run ends the process by the signal, as a stop signal there does, before anything is
+# written: Python's KeyboardInterrupt could be swallowed by the code it lands in (a run went on to its end).
+signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 # The imports below create about half a million objects that live as long as the process (torch, Hydra,
 # torch._dynamo). The cyclic collector, triggered by allocation counts, would re-scan them again and again while they
@@ -16,7 +21,6 @@ gc.disable()
 import atexit
 import importlib
 import logging
-import signal
 import sys
 import time
 import traceback
@@ -57,17 +61,19 @@ from hydraloop.parallel.single import SingleDevice
 from hydraloop.parallel.spawned_ranks import count_threads_before_computing
 from hydraloop.parallel.sweep_share import take_machine_share
 from hydraloop.predict import predict
-from hydraloop.preemption import STOP_SIGNALS
+from hydraloop.preemption import STOP_SIGNALS, interrupt_once
 from hydraloop.rank_logging import FORMAT, JOB_LOG_ONLY, setup_rank_logging
 from hydraloop.resume import check_resumable, checkpoint_to_resume, finished_records
 from hydraloop.run_lock import owned_run_directory
 from hydraloop.run_records import held_until_accepted, holds_training_run
+from hydraloop.run_writer import loggers_ended_on_ctrl_c
 from hydraloop.seeding import seeded_build
 from hydraloop.trainer import Trainer
 from hydraloop.trial import first_call_named, named_option
 
 gc.freeze()
 gc.enable()
+signal.signal(signal.SIGINT, interrupt_once)  # Ctrl-C: KeyboardInterrupt, once (hydraloop.preemption)
 count_threads_before_computing()  # parallel.start_method=auto forks ranks only from a process that has started none
 
 log = logging.getLogger("hydraloop.train")
@@ -132,7 +138,8 @@ def build_and_run(cfg: DictConfig, strategy: SingleDevice, job: JobInfo) -> dict
     run = build_run_parts(cfg, strategy, job, task)
     # A stop signal while training (SIGTERM, SIGUSR1, SIGUSR2): a checkpoint where the ranks next meet, then a stop;
     # one at or after the last step's meeting lets the run finish, metrics.json included (hydraloop.preemption).
-    with run.stop_request if cfg.mode == "train" else nullcontext():
+    # Ctrl-C: the loggers' runs end where it comes.
+    with loggers_ended_on_ctrl_c(run.writer), run.stop_request if cfg.mode == "train" else nullcontext():
         # What the launcher's trial batch could not try (hydraloop.trial): the model's first call failing is one line.
         with first_call_named(strategy.unwrap(run.model), named_option(cfg, "model")):
             if cfg.mode == "eval":

@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from omegaconf import DictConfig
 from core_share import share_the_cores_between_test_workers
 from hydraloop.config import register_configs
 from hydraloop.errors import BAD_INPUT_EXIT_CODE
+from hydraloop.preemption import STOP_SIGNALS
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "src" / "train.py"
@@ -52,6 +54,17 @@ class Run:
     @property
     def log(self) -> str:
         return (self.run_dir / "train.log").read_text()
+
+
+@pytest.fixture(autouse=True)
+def signal_handlers_as_they_were():
+    """A run trained in the test's own process that stopped leaves its stop signals and SIGINT dropped for the
+    process's lifetime (hydraloop.preemption.ignore_further_stops): the next test, and Ctrl-C, get them back."""
+    handled = (signal.SIGINT, *STOP_SIGNALS)
+    before = {sig: signal.getsignal(sig) for sig in handled}
+    yield
+    for sig, handler in before.items():
+        signal.signal(sig, handler)
 
 
 @pytest.fixture(scope="session")

@@ -204,7 +204,7 @@ def test_elastic_torchrun_loses_a_node_and_finishes_alone_as_single_does(tmp_pat
         "trainer.ckpt_every_n_steps=10",
         "logger=none",
         "parallel.timeout_s=60",
-        "model._target_=tests.faults.WaitingInFirstAttemptMLP",
+        "model._target_=tests.waits.WaitingInFirstAttemptMLP",
         "+model.wait_at_step=15",
         f"+model.pid_dir={pids}",
         f"+model.resume_file={resume_file}",

@@ -42,8 +42,8 @@ def contents(run_dir: Path, leave_out: tuple[str, ...] = ()) -> dict[str, bytes]
 
 
 def waiting_run(run_dir: Path, tmp_path: Path, step: int, env: dict, preexec_fn=None) -> subprocess.Popen:
-    """The recipe in `run_dir`, waiting inside `step` until tmp_path/resume exists (see tests.faults.WaitingMLP)."""
-    model = ("model._target_=tests.faults.WaitingMLP", "+model.fail_rank=0", f"+model.fail_at_step={step}")
+    """The recipe in `run_dir`, waiting inside `step` until tmp_path/resume exists (see tests.waits.WaitingMLP)."""
+    model = ("model._target_=tests.waits.WaitingMLP", "+model.fail_rank=0", f"+model.fail_at_step={step}")
     files = (f"+model.pause_file={tmp_path / 'paused'}", f"+model.resume_file={tmp_path / 'resume'}")
     command = [sys.executable, str(TRAIN), f"hydra.run.dir={run_dir}", *RECIPE, *model, *files]
     return subprocess.Popen(

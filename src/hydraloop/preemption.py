@@ -55,10 +55,14 @@ class StopRequest:
     def __init__(self) -> None:
         self.signum = 0
         self._previous: dict[int, object] = {}
+        self._sigint: object = None  # SIGINT's handler before a stop signal came: Ctrl-C ends the run at once
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if not self.signum:
             self.signum = signum
+            # The first signal decides: a Ctrl-C after it (a terminal's reaches every rank) would end the run
+            # without the checkpoint this one asked for.
+            self._sigint = signal.signal(signal.SIGINT, _stop_under_way)
             log.warning(
                 "got %s: stopping at the next logging, validation or checkpoint step (or epoch end), with a "
                 "checkpoint; past the run's last step, it finishes instead",
@@ -76,14 +80,30 @@ class StopRequest:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         if isinstance(exc, Interrupted):  # on its way out through stop_at_once's handling
-            ignore_further_stops(tuple(sig for sig, previous in self._previous.items() if previous is _stop_now))
+            ours = tuple(sig for sig, previous in self._previous.items() if previous is _stop_now)
+            ignore_further_stops((*ours, signal.SIGINT))
+        elif self._sigint is not None:  # the run finished (the signal came at its end)
+            signal.signal(signal.SIGINT, self._sigint)
         previous = self._previous.get(exc.signum) if isinstance(exc, Interrupted) else None
         if callable(previous) and previous is not _stop_now:  # SIG_DFL and SIG_IGN are not callable
             previous(exc.signum, None)
 
 
 def _stop_now(signum: int, frame: FrameType | None) -> None:
+    ignore_further_stops((signal.SIGINT, *(sig for sig in STOP_SIGNALS if signal.getsignal(sig) is _stop_now)))
     raise Interrupted(signum, "outside the training loop, without a checkpoint")
+
+
+def interrupt_once(signum: int, frame: FrameType | None) -> None:
+    """SIGINT's handler in a run's processes: KeyboardInterrupt, as Python's own, but once. A second Ctrl-C would
+    cut the first's way out short (the run directory's lock, a checkpoint write's clean-up) or, as the process
+    exits, end it by the signal; Ctrl-C in a terminal reaches the ranks and their launcher, which passes it on too.
+
+    Signals that came while the process was in C++ (a collective, a step's kernels) are taken in their numbers'
+    order when it is back: SIGINT's before a SIGTERM's that came first. Ctrl-C then wins; after a stop signal taken,
+    it is dropped (`StopRequest`)."""
+    ignore_further_stops((signal.SIGINT,))
+    raise KeyboardInterrupt
 
 
 def _stop_under_way(signum: int, frame: FrameType | None) -> None:

@@ -6,6 +6,7 @@ Every other rank gets NullRunWriter, so the training loop calls the same methods
 
 import json
 import shutil
+import signal
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -163,3 +164,15 @@ class RunWriter(NullRunWriter):
         """A logger's failed write (its own files, under the run directory) as StorageError."""
         with storage_errors(self.run_dir):
             yield
+
+
+@contextmanager
+def loggers_ended_on_ctrl_c(writer: NullRunWriter) -> Iterator[None]:
+    """Ctrl-C (KeyboardInterrupt) ends the loggers' runs where it comes, not at the process's exit, which a rank is
+    not sure to reach: the launcher of ranks kills them all once rank 0 has handed its stop in and a peer is still
+    waiting in C++ (hydraloop.parallel.rank_stops)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        writer.interrupted(signal.SIGINT)
+        raise

@@ -147,18 +147,22 @@ def finish(state: dict[str, Any], path: Path, consequence: str) -> None:
     staging = staging_dir(path)
     rest = {key: value for key, value in state.items() if key != "model"}
     rest["optimizer"] = _without_state(state["optimizer"])
-    with storage_errors(path, consequence):
-        with open(staging / STATE_FILE, "wb") as file:
-            torch.save(rest, file)
-            file.flush()
-            os.fsync(file.fileno())
-        fsync_directory(staging)
-        if path.is_symlink() or path.is_file():
-            path.unlink()
-        elif path.exists():
-            shutil.rmtree(path)
-        os.replace(staging, path)
-        fsync_directory(path.parent)
+    try:
+        with storage_errors(path, consequence):
+            with open(staging / STATE_FILE, "wb") as file:
+                torch.save(rest, file)
+                file.flush()
+                os.fsync(file.fileno())
+            fsync_directory(staging)
+            if path.is_symlink() or path.is_file():
+                path.unlink()
+            elif path.exists():
+                shutil.rmtree(path)
+            os.replace(staging, path)
+            fsync_directory(path.parent)
+    except BaseException:  # a failed write, or Ctrl-C's KeyboardInterrupt in it: never a checkpoint, nothing left
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def read(path: Path, source: str, lazy: bool) -> dict[str, Any]:

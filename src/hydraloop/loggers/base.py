@@ -86,8 +86,8 @@ class NullLogger:
 
     def interrupted(self, signum: int) -> None:
         """The stop signal `signum` ends the run after a checkpoint, and a rerun will continue it: written out, and
-        marked preempted where the tracker has such a state. The process exits with 128 + `signum` (a spawned rank
-        hands its stop to the launcher and exits 0)."""
+        marked preempted where the tracker has such a state; or Ctrl-C (SIGINT) ended it at once, without one. The
+        process exits with 128 + `signum` (a spawned rank hands its stop to the launcher and exits 0)."""
 
     def finish(self, metrics: dict[str, Any]) -> None:
         """The final metrics (those of metrics.json); then closes the run."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import netrc
 import os
+import signal
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -80,7 +81,8 @@ class WandbLogger(NullLogger):
         self.run.log(metrics, step=step)
 
     def interrupted(self, signum: int) -> None:
-        self.run.mark_preempting()  # shown as preempted, not crashed, as it ends with a non-zero exit code
+        if signum != signal.SIGINT:  # Ctrl-C is no preemption
+            self.run.mark_preempting()  # shown as preempted, not crashed, as it ends with a non-zero exit code
         # Finished here, with the process's exit code: left to W&B's exit handler, a spawned rank's run (the rank
         # exits 0) was recorded as exit 0, and the service was torn down under it (HandleAbandonedError).
         self.run.finish(exit_code=128 + signum)

@@ -37,6 +37,9 @@ PASSED_ON = (*STOP_SIGNALS, signal.SIGINT)
 GRACE_S = 1.0
 """After a rank stopped alone (before its training, or at once): the other ranks' time to hand in their own stop
 before they are killed (they got the signal too; one in Python code stops in milliseconds)."""
+WRITER_GRACE_S = 3.0
+"""The same, while rank 0, which writes the run's records, is taking a Ctrl-C: it may be finishing its loggers' runs
+(W&B's takes about 1 s)."""
 WATCH_INTERVAL_S = 0.1
 
 
@@ -49,10 +52,20 @@ class Stopped:
     where: str
 
 
-def mark_stopped_alone(marks: str | Path) -> None:
-    """Tells the launcher (`passed_on_to_ranks`) that this rank stopped without its peers, before its training started
-    or at once (SIGINT): they may wait for it where no signal reaches them."""
-    (Path(marks) / f"rank-{os.environ.get('RANK', '0')}").touch()
+def mark_stopped_alone(marks: str | Path, signum: int) -> None:
+    """Tells the launcher (`passed_on_to_ranks`) that this rank stopped on `signum` without its peers, before its
+    training started or at once (SIGINT): they may wait for it where no signal reaches them."""
+    (Path(marks) / f"rank-{os.environ.get('RANK', '0')}").write_text(signal.Signals(signum).name)
+
+
+def mark_taking_ctrl_c(marks: str | Path) -> None:
+    """Tells the launcher that this rank is taking a Ctrl-C (it is not waiting in C++): it will hand its stop in."""
+    (Path(marks) / f"taking-{os.environ.get('RANK', '0')}").touch()
+
+
+def took_ctrl_c(marks: Path) -> bool:
+    """Whether a rank ended at once on SIGINT: a terminal's Ctrl-C reaches the ranks, not only their launcher."""
+    return any(path.read_text() == "SIGINT" for path in marks.iterdir())
 
 
 @dataclass
@@ -64,7 +77,7 @@ class PassedOn:
     cut_short: str = ""
     """Why the ranks were killed before parallel.shutdown_timeout_s: a rank stopped alone, or ended with an error."""
     _deadline: float = 0.0
-    _kill_at: float | None = None
+    _first_mark_at: float = 0.0
 
 
 @contextmanager
@@ -75,11 +88,12 @@ def passed_on_to_ranks(shutdown_timeout_s: float, marks: Path) -> Iterator[Passe
     waited for its SIGKILL; and it waits parallel.shutdown_timeout_s for one stuck in C++.)
 
     From the first signal on, the ranks are watched: they are ended, as the agent ends them on its own signals (its
-    handler's SignalException, here SIGKILL's, makes it kill them, with no restart), `shutdown_timeout_s` after it,
-    or once a rank stopped alone (a file in `marks`, `mark_stopped_alone`; `GRACE_S` later) or ended with an error
-    (at once: the agent would stop the others and wait 30 s for one stuck in C++, or restart them). A signal that
-    finds no rank running (none started yet) is the agent's at once, as SignalException too. Once a stop leaves
-    this block as Interrupted, further signals are dropped (hydraloop.preemption.ignore_further_stops)."""
+    handler's SignalException, here SIGKILL's, makes it kill them, with no restart), `shutdown_timeout_s` after it, or
+    once a rank stopped alone (a file in `marks`, `mark_stopped_alone`) while another has not (`GRACE_S` later,
+    `WRITER_GRACE_S` while rank 0 is taking a Ctrl-C, `mark_taking_ctrl_c`), or ended with an error (at once: the agent
+    would stop the others and wait 30 s for one stuck in C++, or restart them). A signal that finds no rank running
+    (none started yet) is the agent's at once, as SignalException too. Once a stop leaves this block as Interrupted,
+    further signals are dropped (hydraloop.preemption.ignore_further_stops)."""
     passed_on = PassedOn()
     if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
         yield passed_on
@@ -110,14 +124,20 @@ def passed_on_to_ranks(shutdown_timeout_s: float, marks: Path) -> Iterator[Passe
         now = time.monotonic()
         if now >= passed_on._deadline:
             kill("the ranks did not stop in time")
-        if passed_on._kill_at is None:
-            ended = [rank.exitcode for rank in passed_on.ranks if rank.exitcode not in (None, 0)]
-            if ended:
-                passed_on.cut_short, passed_on._kill_at = f"a rank ended at once (exit code {ended[0]})", now
-            elif stopped := sorted(path.name for path in marks.iterdir()):
-                passed_on.cut_short = f"{stopped[0].replace('-', ' ')} stopped before its training"
-                passed_on._kill_at = now + GRACE_S
-        if passed_on._kill_at is not None and now >= passed_on._kill_at:
+        ended = [rank.exitcode for rank in passed_on.ranks if rank.exitcode not in (None, 0)]
+        if ended:
+            passed_on.cut_short = f"a rank ended at once (exit code {ended[0]})"
+            kill(passed_on.cut_short)
+        names = {path.name for path in marks.iterdir()}
+        stopped = sorted(name for name in names if name.startswith("rank-"))
+        # Every rank stopped alone: none waits for another, and the agent collects what they handed in.
+        if not stopped or len(stopped) == len(passed_on.ranks):
+            return
+        passed_on._first_mark_at = passed_on._first_mark_at or now
+        # Rank 0 writes the run's records: while it is taking a Ctrl-C (its loggers' last records), it gets longer.
+        grace = WRITER_GRACE_S if "taking-0" in names and "rank-0" not in names else GRACE_S
+        if now >= passed_on._first_mark_at + grace:
+            passed_on.cut_short = f"{stopped[0].replace('-', ' ')} stopped before its training"
             kill(passed_on.cut_short)
 
     def kill(why: str) -> None:

@@ -4,6 +4,7 @@ forked or spawned (parallel.start_method; `forkable` says when a fork is whole),
 to the ranks, which decide together what they mean (hydraloop.parallel.rank_stops)."""
 
 import atexit
+import functools
 import logging
 import multiprocessing
 import multiprocessing.forkserver
@@ -27,8 +28,15 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from hydraloop.errors import CTRL_C, ConfigError, Interrupted, StorageError, WorkerFailed
-from hydraloop.parallel.rank_stops import PASSED_ON, Stopped, mark_stopped_alone, passed_on_to_ranks
-from hydraloop.preemption import STOP_SIGNALS, loops_entered, stop_at_once
+from hydraloop.parallel.rank_stops import (
+    PASSED_ON,
+    Stopped,
+    mark_stopped_alone,
+    mark_taking_ctrl_c,
+    passed_on_to_ranks,
+    took_ctrl_c,
+)
+from hydraloop.preemption import STOP_SIGNALS, interrupt_once, loops_entered, stop_at_once
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -149,7 +157,7 @@ def _launch(
             # {rank: result}; ranks agree, rank 0 speaks
             result = elastic_launch(config, run_rank)(str(marks), worker, *args)[0]
         except SignalException as stop:
-            if passed_on.signum == signal.SIGINT:  # the ranks ended at once (Ctrl-C), or were ended
+            if passed_on.signum == signal.SIGINT or took_ctrl_c(marks):  # the ranks ended at once, or were ended
                 raise Interrupted(signal.SIGINT, CTRL_C) from None
             if passed_on.cut_short:  # a rank stopped, or ended, before its training: no checkpoint came of it
                 raise Interrupted(
@@ -168,7 +176,7 @@ def _launch(
             raise Interrupted(stop.sigval, "(no checkpoint)") from None  # SIGHUP, SIGQUIT
         except ChildFailedError as failed:
             rank, failure = _first_failure(failed)
-            if passed_on.signum == signal.SIGINT:  # a rank not yet listening, or its peer's collective's end
+            if passed_on.signum == signal.SIGINT or took_ctrl_c(marks):  # a rank not yet listening, or a peer's end
                 raise Interrupted(signal.SIGINT, CTRL_C) from None
             if passed_on.signum and failure.exitcode == -passed_on.signum:  # a rank still starting, not yet listening
                 where = f"while the ranks were starting, before training, without a checkpoint (rank {rank} ended)"
@@ -216,17 +224,17 @@ def run_rank(stop_marks: str, worker: Callable[..., T], *args) -> T | Stopped:
         _start_as_a_spawned_rank()
     _multiprocessing_files_in(Path(stop_marks).parent)
     loops_before = loops_entered()
-    signal.signal(signal.SIGINT, _interrupt_once)
+    signal.signal(signal.SIGINT, functools.partial(_interrupt_rank, stop_marks))
     with stop_at_once():
         try:
             result = worker(*args)
         except Interrupted as stop:
             result = Stopped(stop.signum, str(stop).removeprefix(f"stopped by {signal.Signals(stop.signum).name} "))
             if loops_entered() == loops_before:
-                mark_stopped_alone(stop_marks)
+                mark_stopped_alone(stop_marks, stop.signum)
         except KeyboardInterrupt:  # its peers may wait for it in a collective
             result = Stopped(signal.SIGINT, CTRL_C)
-            mark_stopped_alone(stop_marks)
+            mark_stopped_alone(stop_marks, signal.SIGINT)
         # The rank's work is done; a stop signal passed on from now (the launcher's comes asynchronously, and may
         # reach a rank that finished first) has nothing left to stop, while its default would end the process as a
         # failed rank as it hands its result to the agent.
@@ -235,11 +243,9 @@ def run_rank(stop_marks: str, worker: Callable[..., T], *args) -> T | Stopped:
         return result
 
 
-def _interrupt_once(signum: int, frame: FrameType | None) -> None:
-    """SIGINT in a rank: KeyboardInterrupt, once. Ctrl-C in a terminal reaches the ranks and their launcher, which
-    passes it on too: a second KeyboardInterrupt would cut the first's way out short (the run directory's lock)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    raise KeyboardInterrupt
+def _interrupt_rank(stop_marks: str, signum: int, frame: FrameType | None) -> None:
+    mark_taking_ctrl_c(stop_marks)
+    interrupt_once(signum, frame)
 
 
 def _multiprocessing_files_in(folder: Path) -> None:
