@@ -6,11 +6,12 @@ launcher's checks), `start` (a random instant while the ranks start: forked, spa
 building), `first-step` (rank 0 inside step 1), `mid-epoch` (rank 0 inside step 13 of 44), `validation` (rank 0 inside
 the validation at the end of epoch 1, at its batch 3 of 6) or `checkpoint` (rank 0 inside the write of that epoch's
 checkpoint, step 22: torch.save has its file open; under fsdp the shards are in the staging directory and state.pt is
-being written). Rank 0 waits there (tests/waits.py) until the signal is sent. The signal is SIGTERM, or in turn
-(shifted at each round of the moments, so that each moment meets each) those --signals names: SIGINT (Ctrl-C: the ranks
-end at once, without a checkpoint) or SIGTERM-twice (a second SIGTERM 0.2 s after the first). It then checks that the
-stop ended within --max-stop-s with exit 128 + the signal's number (or 0 with metrics.json: a run that finished before
-the signal), that every checkpoint left reads back whole, last.pt the newest, and no write is left unfinished (*.tmp) (a
+being written). Rank 0 waits there (tests/waits.py) until the signal is sent. The signal is SIGTERM, or in turn (shifted
+at each round of the moments, so that each moment meets each) those --signals names: SIGINT (Ctrl-C: the ranks end at
+once, without a checkpoint) or SIGTERM-twice (a second SIGTERM 0.2 s after the first), sent to the launcher or, in turn
+with --to group, to its whole process group (as a terminal's Ctrl-C reaches the ranks too). It then checks that the stop
+ended within --max-stop-s with exit 128 + the signal's number (or 0 with metrics.json: a run that finished before the
+signal), that every checkpoint left reads back whole, last.pt the newest, and no write is left unfinished (*.tmp) (a
 stop during a validation: at that validation's checkpoint), that no file is left in TMPDIR by the launch
 (torchelastic_*, pytorch-errorfile-*, hydraloop-ranks-*, pymp-*) and no process of the run is left (each carries a
 marker in its environment), and that the same command rerun ends at the uninterrupted run's parameters (dropout
@@ -19,7 +20,8 @@ included).
     python scripts/stop_campaign.py --tries 48                       # ddp, fork and spawn, the six moments
     python scripts/stop_campaign.py --tries 16 --parallel ddp fsdp --moments validation checkpoint
     python scripts/stop_campaign.py --tries 12 --parallel fsdp --out campaign.json
-    python scripts/stop_campaign.py --tries 40 --parallel ddp fsdp --signals SIGTERM SIGINT SIGTERM-twice
+    python scripts/stop_campaign.py --tries 48 --parallel ddp fsdp --signals SIGTERM SIGINT SIGTERM-twice \
+        --to launcher group
 
 One line per try, then a summary; exit 1 if any try failed. tests/test_stop_campaign.py runs a few tries.
 """
@@ -158,7 +160,14 @@ def ranks_started(pid: int) -> bool:
 
 
 def one_try(
-    parallel: str, start_method: str, moment: str, folder: Path, reference: dict, rng: random.Random, sent: str
+    parallel: str,
+    start_method: str,
+    moment: str,
+    folder: Path,
+    reference: dict,
+    rng: random.Random,
+    sent: str,
+    to: str = "launcher",
 ) -> dict:
     tmpdir, faults, run_dir = folder / "tmp", folder / "faults", folder / "run"
     for path in (tmpdir, faults):
@@ -167,7 +176,10 @@ def one_try(
     env = environment(tmpdir, marker)
     where, step = MOMENTS[moment]
     job_command = command(parallel, start_method, run_dir, faults, where, step or 1)
-    job = subprocess.Popen(job_command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # A session of its own: its process group is the command's, which a terminal's Ctrl-C reaches as a whole.
+    job = subprocess.Popen(
+        job_command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         said_before = []
         if where == "launch":  # importing, composing the config, the launcher's checks: no rank yet
@@ -191,7 +203,7 @@ def one_try(
         delay = signalled - started if step is None else 0.0
         for number, signum in enumerate(SIGNALS[sent]):
             time.sleep(0.2 if number else 0.0)
-            job.send_signal(signum)
+            os.killpg(job.pid, signum) if to == "group" else job.send_signal(signum)
             (faults / "resume").touch()
         output = "".join(said_before) + job.communicate(timeout=180)[0]
         stop_s = time.monotonic() - signalled
@@ -201,7 +213,7 @@ def one_try(
             job.kill()
     said = [line.split(" - ", 1)[-1] for line in output.splitlines() if "][hydraloop][ERROR]" in line]
     result = {"parallel": parallel, "start_method": start_method, "moment": moment, "delay_s": round(delay, 3)}
-    result["signal"] = sent
+    result["signal"], result["to"] = sent, to
     result |= {"exit": job.returncode, "stop_s": round(stop_s, 2), "said": said[-1] if said else ""}
     result["left"] = left_behind(tmpdir, marker)
     finished = (run_dir / "metrics.json").exists()
@@ -246,6 +258,14 @@ def main() -> int:
     parser.add_argument("--start-methods", nargs="+", default=["fork", "spawn"], choices=["fork", "spawn"])
     parser.add_argument("--moments", nargs="+", default=list(MOMENTS), choices=list(MOMENTS))
     parser.add_argument("--signals", nargs="+", default=["SIGTERM"], choices=list(SIGNALS), help="sent in turn")
+    parser.add_argument(
+        "--to",
+        nargs="+",
+        default=["launcher"],
+        choices=["launcher", "group"],
+        help="whom the signal is sent to, in turn at each round of the moments: the launcher, or its process group "
+        "(as a terminal's Ctrl-C reaches every rank too)",
+    )
     parser.add_argument("--max-stop-s", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=0, help="of the random instants of `start` tries")
     parser.add_argument("--out", type=Path, help="a JSON file of every try")
@@ -281,13 +301,15 @@ def main() -> int:
             folder = Path(root, f"try-{number}")
             # Shifted by one at each round of the moments: every moment meets every signal.
             sent = args.signals[(number + number // len(args.moments)) % len(args.signals)]
-            result = one_try(parallel, start_method, moment, folder, references[parallel], rng, sent)
+            to = args.to[number // len(args.moments) % len(args.to)]
+            result = one_try(parallel, start_method, moment, folder, references[parallel], rng, sent, to)
             result["problems"] = judge(result, args.max_stop_s)
             failed += bool(result["problems"])
             results.append(result)
             verdict = "ok" if not result["problems"] else "FAILED: " + "; ".join(result["problems"])
             print(
-                f"{number:3d} {parallel} {start_method:5s} {moment:10s} {sent:13s} delay {result['delay_s']:5.2f} "
+                f"{number:3d} {parallel} {start_method:5s} {moment:10s} {sent:13s} to {to:8s} "
+                f"delay {result['delay_s']:5.2f} "
                 f"s: exit {result['exit']} in {result['stop_s']:5.2f} s, last.pt step {result['last_pt_step']}, rerun "
                 f"{result.get('resume_diff', '-')}: {verdict} "
                 f"({result['said']})",

@@ -3,6 +3,7 @@ final metrics, parameter count, run directory), read back through each tool's ow
 one line before training."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -207,12 +208,14 @@ def test_a_stop_signal_marks_the_run_preempted_and_the_rerun_finishes_it(logged,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("end", ["failed", "stopped"])
+@pytest.mark.parametrize("end", ["failed", "stopped", "ctrl-c"])
 def test_a_ddp_runs_wandb_run_is_finished_with_the_jobs_exit_code(end, train_env, tmp_path):
     """A ddp run whose rank 1 raises: rank 0 finishes its W&B run at its exit, with exit code 1. One stopped by
     SIGTERM: rank 0 finishes it as it stops, preempted, with exit code 143 (the rank itself hands its stop to the
     launcher and exits 0). Left to W&B's own exit handler, the service was torn down under the unfinished run: its
-    debug.log held HandleAbandonedError tracebacks, and the stopped run was recorded with exit code 0."""
+    debug.log held HandleAbandonedError tracebacks, and the stopped run was recorded with exit code 0. Ctrl-C to the
+    whole process group, as a terminal sends it: rank 0 finishes it where it comes, exit code 130, not preempted, its
+    rows kept (killed with its peers, it left an empty record)."""
     env = {**train_env, "WANDB_MODE": "offline", "WANDB_CONFIG_DIR": str(tmp_path), "WANDB_CACHE_DIR": str(tmp_path)}
     command = [sys.executable, str(REPO / "src" / "train.py"), f"hydra.run.dir={tmp_path / 'run'}", "parallel=ddp"]
     command += ["logger=wandb", "trainer.max_epochs=1"]
@@ -223,14 +226,16 @@ def test_a_ddp_runs_wandb_run_is_finished_with_the_jobs_exit_code(end, train_env
         assert "rank 1 failed (exit code 1): RuntimeError: injected failure at step 3" in failed.stderr + failed.stdout
     else:
         command += ["model._target_=tests.faults.PausingMLP", f"+model.pause_file={tmp_path / 'paused'}"]
-        command += ["+model.fail_rank=0", "+model.fail_at_step=3"]
-        job = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        command += ["+model.fail_rank=0", "+model.fail_at_step=13", "trainer.log_every_n_steps=5"]  # rows 5, 10
+        output = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+        job = subprocess.Popen(command, cwd=REPO, env=env, start_new_session=True, **output)
         wait_for(tmp_path / "paused", job)
-        job.send_signal(signal.SIGTERM)
-        assert job.wait(timeout=120) == 128 + signal.SIGTERM, job.communicate()[0]
+        sent = signal.SIGTERM if end == "stopped" else signal.SIGINT
+        job.send_signal(sent) if end == "stopped" else os.killpg(job.pid, sent)
+        assert job.wait(timeout=120) == 128 + sent, job.communicate()[0]
     (run,) = wandb_runs(tmp_path / "run")
-    assert run.exit_code == (1 if end == "failed" else 128 + signal.SIGTERM)
-    assert run.preempting == (end == "stopped")
+    assert run.exit_code == {"failed": 1, "stopped": 128 + signal.SIGTERM, "ctrl-c": 128 + signal.SIGINT}[end]
+    assert run.preempting == (end == "stopped") and (run.history or end == "failed")
     (debug_log,) = (tmp_path / "run").glob("wandb/offline-run-*/logs/debug.log")
     assert "HandleAbandonedError" not in debug_log.read_text()
 
