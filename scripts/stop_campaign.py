@@ -13,9 +13,9 @@ with --to group, to its whole process group (as a terminal's Ctrl-C reaches the 
 ended within --max-stop-s with exit 128 + the signal's number (or 0 with metrics.json: a run that finished before the
 signal), that every checkpoint left reads back whole, last.pt the newest, and no write is left unfinished (*.tmp) (a
 stop during a validation: at that validation's checkpoint), that no file is left in TMPDIR by the launch
-(torchelastic_*, pytorch-errorfile-*, hydraloop-ranks-*, pymp-*) and no process of the run is left (each carries a
-marker in its environment), and that the same command rerun ends at the uninterrupted run's parameters (dropout
-included).
+(torchelastic_*, pytorch-errorfile-*, hydraloop-ranks-*, pymp-*) no process of the run is left (each carries a marker in
+its environment) and no shared memory it made (/dev/shm), and that the same command rerun ends at the uninterrupted
+run's parameters (dropout included).
 
     python scripts/stop_campaign.py --tries 48                       # ddp, fork and spawn, the six moments
     python scripts/stop_campaign.py --tries 16 --parallel ddp fsdp --moments validation checkpoint
@@ -110,13 +110,21 @@ def processes_marked(marker: str) -> list[str]:
     return found
 
 
-def left_behind(tmpdir: Path, marker: str, wait_s: float = 5.0) -> list[str]:
-    """What a run left: files of a launch in `tmpdir`, and its processes still running `wait_s` after it ended."""
+def shared_memory() -> set[str]:
+    """The named shared memory and semaphores on this machine (/dev/shm): a loader's workers' tensors, multiprocessing's
+    locks. Each is unlinked as soon as it is made; one that stays outlived the process that made it."""
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def left_behind(tmpdir: Path, marker: str, shared_before: set[str] | None = None, wait_s: float = 5.0) -> list[str]:
+    """What a run left: files of a launch in `tmpdir`, its processes still running `wait_s` after it ended, and
+    shared memory made since `shared_before` (this machine's before the run) still there."""
     deadline = time.monotonic() + wait_s
     while (processes := processes_marked(marker)) and time.monotonic() < deadline:
         time.sleep(0.1)
     files = [path.name for path in tmpdir.iterdir() if path.name.startswith(LEFT_BY_A_LAUNCH)]
-    return files + [f"process {line}" for line in processes]
+    shared = sorted(shared_memory() - shared_before) if shared_before is not None else []
+    return files + [f"process {line}" for line in processes] + [f"shared memory {name}" for name in shared]
 
 
 def command(
@@ -176,6 +184,7 @@ def one_try(
     env = environment(tmpdir, marker)
     where, step = MOMENTS[moment]
     job_command = command(parallel, start_method, run_dir, faults, where, step or 1)
+    shared_before = shared_memory()
     # A session of its own: its process group is the command's, which a terminal's Ctrl-C reaches as a whole.
     job = subprocess.Popen(
         job_command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
@@ -215,7 +224,7 @@ def one_try(
     result = {"parallel": parallel, "start_method": start_method, "moment": moment, "delay_s": round(delay, 3)}
     result["signal"], result["to"] = sent, to
     result |= {"exit": job.returncode, "stop_s": round(stop_s, 2), "said": said[-1] if said else ""}
-    result["left"] = left_behind(tmpdir, marker)
+    result["left"] = left_behind(tmpdir, marker, shared_before)
     finished = (run_dir / "metrics.json").exists()
     # A run that finished before the signal: exit 0, or the signal's own where it came as the process ended
     # (docs/scaling-out.md); metrics.json says it finished either way.
@@ -231,7 +240,7 @@ def one_try(
     if where == "validation" and job.returncode == 143 and result["last_pt_step"] != step:
         result["problems"].append(f"a stop during step {step}'s validation stopped at step {result['last_pt_step']}")
     rerun = subprocess.run(job_command, env=env, capture_output=True, text=True, timeout=300)
-    result["left"] += left_behind(tmpdir, marker)
+    result["left"] += left_behind(tmpdir, marker, shared_before)
     if rerun.returncode != 0:
         result["problems"].append(f"rerun exit {rerun.returncode}:\n{(rerun.stdout + rerun.stderr)[-3000:]}")
     else:
@@ -277,14 +286,14 @@ def main() -> int:
         for parallel in args.parallel:  # the uninterrupted run, its TMPDIR checked too
             tmpdir, marker = Path(root, f"reference-{parallel}", "tmp"), uuid.uuid4().hex
             tmpdir.mkdir(parents=True)
-            run_dir = tmpdir.parent / "run"
+            run_dir, shared_before = tmpdir.parent / "run", shared_memory()
             done = subprocess.run(
                 command(parallel, "auto", run_dir, None),
                 env=environment(tmpdir, marker),
                 capture_output=True,
                 text=True,
             )
-            left = left_behind(tmpdir, marker)
+            left = left_behind(tmpdir, marker, shared_before)
             if done.returncode != 0 or left:
                 print(f"uninterrupted {parallel} run: exit {done.returncode}, left {left}\n{done.stdout[-3000:]}")
                 return 1
