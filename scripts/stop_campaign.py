@@ -112,8 +112,22 @@ def processes_marked(marker: str) -> list[str]:
 
 def shared_memory() -> set[str]:
     """The named shared memory and semaphores on this machine (/dev/shm): a loader's workers' tensors, multiprocessing's
-    locks. Each is unlinked as soon as it is made; one that stays outlived the process that made it."""
+    locks (those of a spawned process's queues keep their names while they live)."""
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def unmapped(names: set[str]) -> set[str]:
+    """Those of `names` (in /dev/shm) that no running process maps: what the runs of others going on meanwhile (a
+    test suite's) made is theirs while they run."""
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped.update(
+                line.rsplit("/dev/shm/", 1)[1].strip() for line in maps.read_text().splitlines() if "/dev/shm/" in line
+            )
+        except (OSError, IndexError):  # ended meanwhile, or another's
+            continue
+    return names - mapped
 
 
 def left_behind(tmpdir: Path, marker: str, shared_before: set[str] | None = None, wait_s: float = 5.0) -> list[str]:
@@ -123,7 +137,7 @@ def left_behind(tmpdir: Path, marker: str, shared_before: set[str] | None = None
     while (processes := processes_marked(marker)) and time.monotonic() < deadline:
         time.sleep(0.1)
     files = [path.name for path in tmpdir.iterdir() if path.name.startswith(LEFT_BY_A_LAUNCH)]
-    shared = sorted(shared_memory() - shared_before) if shared_before is not None else []
+    shared = sorted(unmapped(shared_memory() - shared_before)) if shared_before is not None else []
     return files + [f"process {line}" for line in processes] + [f"shared memory {name}" for name in shared]
 
 
@@ -176,6 +190,7 @@ def one_try(
     rng: random.Random,
     sent: str,
     to: str = "launcher",
+    shared: bool = True,
 ) -> dict:
     tmpdir, faults, run_dir = folder / "tmp", folder / "faults", folder / "run"
     for path in (tmpdir, faults):
@@ -184,7 +199,7 @@ def one_try(
     env = environment(tmpdir, marker)
     where, step = MOMENTS[moment]
     job_command = command(parallel, start_method, run_dir, faults, where, step or 1)
-    shared_before = shared_memory()
+    shared_before = shared_memory() if shared else None
     # A session of its own: its process group is the command's, which a terminal's Ctrl-C reaches as a whole.
     job = subprocess.Popen(
         job_command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
@@ -275,6 +290,12 @@ def main() -> int:
         help="whom the signal is sent to, in turn at each round of the moments: the launcher, or its process group "
         "(as a terminal's Ctrl-C reaches every rank too)",
     )
+    parser.add_argument(
+        "--shared-memory",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="count /dev/shm entries a try made and left (the machine's: off where other runs go on meanwhile)",
+    )
     parser.add_argument("--max-stop-s", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=0, help="of the random instants of `start` tries")
     parser.add_argument("--out", type=Path, help="a JSON file of every try")
@@ -286,7 +307,7 @@ def main() -> int:
         for parallel in args.parallel:  # the uninterrupted run, its TMPDIR checked too
             tmpdir, marker = Path(root, f"reference-{parallel}", "tmp"), uuid.uuid4().hex
             tmpdir.mkdir(parents=True)
-            run_dir, shared_before = tmpdir.parent / "run", shared_memory()
+            run_dir, shared_before = tmpdir.parent / "run", shared_memory() if args.shared_memory else None
             done = subprocess.run(
                 command(parallel, "auto", run_dir, None),
                 env=environment(tmpdir, marker),
@@ -311,7 +332,9 @@ def main() -> int:
             # Shifted by one at each round of the moments: every moment meets every signal.
             sent = args.signals[(number + number // len(args.moments)) % len(args.signals)]
             to = args.to[number // len(args.moments) % len(args.to)]
-            result = one_try(parallel, start_method, moment, folder, references[parallel], rng, sent, to)
+            result = one_try(
+                parallel, start_method, moment, folder, references[parallel], rng, sent, to, args.shared_memory
+            )
             result["problems"] = judge(result, args.max_stop_s)
             failed += bool(result["problems"])
             results.append(result)
