@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 from core_share import share_the_cores_between_test_workers
 from hydraloop.config import register_configs
 from hydraloop.errors import BAD_INPUT_EXIT_CODE
-from hydraloop.preemption import STOP_SIGNALS
+from hydraloop.preemption import STOP_SIGNALS, stop_taken
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "src" / "train.py"
@@ -63,6 +63,7 @@ def signal_handlers_as_they_were():
     handled = (signal.SIGINT, *STOP_SIGNALS)
     before = {sig: signal.getsignal(sig) for sig in handled}
     yield
+    stop_taken()  # one a test raised and caught itself
     for sig, handler in before.items():
         signal.signal(sig, handler)
 

@@ -2,10 +2,12 @@
 them leaves a file in the temporary folder or a process behind (scripts/stop_campaign.py; issue 48)."""
 
 import json
+import logging
 import pickle
 import signal
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -13,7 +15,7 @@ from omegaconf import OmegaConf
 
 from conftest import REPO, TRAIN
 from hydraloop.errors import Interrupted, exit_on_error
-from hydraloop.preemption import stop_at_once
+from hydraloop.preemption import StopRequest, interrupt_once, stop_at_once
 
 sys.path.insert(0, str(REPO / "scripts"))
 from stop_campaign import environment, left_behind  # noqa: E402
@@ -47,6 +49,32 @@ def test_a_stop_signal_while_omegaconf_reads_a_key_stays_a_stop():
     with pytest.raises(SystemExit) as exited, exit_on_error():
         raise unpickled
     assert exited.value.code == 128 + signal.SIGTERM
+
+
+@pytest.mark.parametrize("sent", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_that_the_code_it_landed_in_swallowed_is_raised_where_the_loop_starts(sent, caplog):
+    """A handler's Interrupted (or Ctrl-C's KeyboardInterrupt) raised inside code that catches it (a logging call's
+    handler catches every Exception, and printed it as a logging error) was lost: the run trained to its end, exit 0,
+    and took no further Ctrl-C. It is raised again where the loop starts; a second signal on the way out of it is
+    dropped."""
+    caplog.set_level(logging.INFO, logger="hydraloop.preemption")
+    signal.signal(signal.SIGINT, interrupt_once)
+    with stop_at_once():
+        try:
+            signal.raise_signal(sent)  # handled at the next instruction, inside the try
+            time.sleep(0.01)
+        except BaseException:  # noqa: BLE001  what a library's bare `except:` does
+            pass
+        with pytest.raises((Interrupted, KeyboardInterrupt)) as stop, StopRequest():
+            pytest.fail("the loop started")
+        with pytest.raises(type(stop.value)):
+            try:
+                raise stop.value
+            finally:
+                signal.raise_signal(signal.SIGINT)  # on the way out: dropped, not a second KeyboardInterrupt
+                time.sleep(0.01)
+    assert (stop.value.signum if sent == signal.SIGTERM else signal.SIGINT) == sent
+    assert "got SIGINT: a stop is already under way" in caplog.text
 
 
 @pytest.mark.slow

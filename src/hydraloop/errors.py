@@ -9,6 +9,9 @@ from contextlib import contextmanager
 
 from hydra.errors import InstantiationException
 
+# Interrupted is at home with the signals that raise it; imported from here, as the other errors are.
+from hydraloop.preemption import Interrupted, stop_taken
+
 log = logging.getLogger("hydraloop")
 
 BAD_INPUT_EXIT_CODE = 2
@@ -55,27 +58,6 @@ class WorkerFailed(RuntimeError):
     """A rank of a spawned job failed. The message names the rank; its traceback is in the job log."""
 
 
-class Interrupted(RuntimeError):
-    """A stop signal ended the run after a checkpoint. Exits with 128 + the signal's number, as the shell reports a
-    process the signal ended (143 for SIGTERM), so schedulers and sweepers do not count the run as finished."""
-
-    def __init__(self, signum: int | str, message: str | None = None) -> None:
-        """`Interrupted(signum, message)`; or `Interrupted(text)`, text being an Interrupted's own (its first line
-        read): OmegaConf rebuilds an exception raised inside it as `type(error)(its text and the key's)`, and
-        pickle as `type(error)(*error.args)`. A stop signal's Interrupted raised while OmegaConf reads a key (a
-        rank reading its config) stays a stop."""
-        if message is None:
-            text = str(signum).strip()
-            first = text.splitlines()[0] if text else ""
-            name, _, message = first.removeprefix("stopped by ").partition(" ")
-            if not first.startswith("stopped by ") or name not in signal.Signals.__members__:
-                raise TypeError(f"Interrupted({signum!r}): needs a signal and a message, or an Interrupted's text")
-            signum = signal.Signals[name]
-        super().__init__(f"stopped by {signal.Signals(signum).name} {message}")
-        self.signum = int(signum)
-        self.exit_code = 128 + self.signum
-
-
 def peer_gone(error: BaseException) -> bool:
     """Whether a collective failed because another rank is gone (gloo's and NCCL's words for it)."""
     text = str(error)
@@ -107,9 +89,11 @@ def exit_on_error() -> Iterator[None]:
         log.error("%s", error)
         sys.exit(STORAGE_EXIT_CODE)
     except Interrupted as error:
+        stop_taken()
         log.error("%s", error)
         sys.exit(error.exit_code)
-    except KeyboardInterrupt:  # SIGINT where Python's handler is left: a traceback of wherever it came
+    except KeyboardInterrupt:  # Ctrl-C (hydraloop.preemption.interrupt_once), said as the other stops are
+        stop_taken()
         error = Interrupted(signal.SIGINT, CTRL_C)
         log.error("%s", error)
         sys.exit(error.exit_code)

@@ -28,14 +28,35 @@ lock, closing the loggers) or end the process by the signal's default action.
 import atexit
 import logging
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
 
-from hydraloop.errors import Interrupted
-
 log = logging.getLogger(__name__)
+
+
+class Interrupted(RuntimeError):
+    """A stop signal ended the run after a checkpoint. Exits with 128 + the signal's number, as the shell reports a
+    process the signal ended (143 for SIGTERM), so schedulers and sweepers do not count the run as finished."""
+
+    def __init__(self, signum: int | str, message: str | None = None) -> None:
+        """`Interrupted(signum, message)`; or `Interrupted(text)`, text being an Interrupted's own (its first line
+        read): OmegaConf rebuilds an exception raised inside it as `type(error)(its text and the key's)`, and
+        pickle as `type(error)(*error.args)`. A stop signal's Interrupted raised while OmegaConf reads a key (a
+        rank reading its config) stays a stop."""
+        if message is None:
+            text = str(signum).strip()
+            first = text.splitlines()[0] if text else ""
+            name, _, message = first.removeprefix("stopped by ").partition(" ")
+            if not first.startswith("stopped by ") or name not in signal.Signals.__members__:
+                raise TypeError(f"Interrupted({signum!r}): needs a signal and a message, or an Interrupted's text")
+            signum = signal.Signals[name]
+        super().__init__(f"stopped by {signal.Signals(signum).name} {message}")
+        self.signum = int(signum)
+        self.exit_code = 128 + self.signum
+
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
@@ -71,6 +92,7 @@ class StopRequest:
 
     def __enter__(self) -> "StopRequest":
         global _loops_entered
+        raise_a_lost_stop()
         _loops_entered += 1
         if threading.current_thread() is threading.main_thread():  # Python delivers signals to the main thread only
             self._previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
@@ -89,21 +111,57 @@ class StopRequest:
             previous(exc.signum, None)
 
 
+_raised: BaseException | None = None
+"""The stop this process's handlers raised and nothing has taken yet (`stop_taken`)."""
+
+
 def _stop_now(signum: int, frame: FrameType | None) -> None:
-    ignore_further_stops((signal.SIGINT, *(sig for sig in STOP_SIGNALS if signal.getsignal(sig) is _stop_now)))
-    raise Interrupted(signum, "outside the training loop, without a checkpoint")
+    if not _on_its_way_out(signum):
+        raise _raise(Interrupted(signum, "outside the training loop, without a checkpoint"))
 
 
 def interrupt_once(signum: int, frame: FrameType | None) -> None:
-    """SIGINT's handler in a run's processes: KeyboardInterrupt, as Python's own, but once. A second Ctrl-C would
-    cut the first's way out short (the run directory's lock, a checkpoint write's clean-up) or, as the process
-    exits, end it by the signal; Ctrl-C in a terminal reaches the ranks and their launcher, which passes it on too.
+    """SIGINT's handler in a run's processes: KeyboardInterrupt, as Python's own, but not on the way out of one: a
+    second Ctrl-C would cut the first's way out short (the run directory's lock, a checkpoint write's clean-up) or,
+    as the process exits, end it by the signal; Ctrl-C in a terminal reaches the ranks and their launcher, which
+    passes it on too.
 
     Signals that came while the process was in C++ (a collective, a step's kernels) are taken in their numbers'
     order when it is back: SIGINT's before a SIGTERM's that came first. Ctrl-C then wins; after a stop signal taken,
     it is dropped (`StopRequest`)."""
-    ignore_further_stops((signal.SIGINT,))
-    raise KeyboardInterrupt
+    if not _on_its_way_out(signum):
+        raise _raise(KeyboardInterrupt())
+
+
+def _raise(stop: BaseException) -> BaseException:
+    global _raised
+    _raised = stop
+    return stop
+
+
+def _on_its_way_out(signum: int) -> bool:
+    """Whether a stop this process raised is being handled where the signal `signum` lands (a `finally`, an
+    `__exit__` on its way out): then the signal is dropped."""
+    if _raised is None or not isinstance(sys.exc_info()[1], (Interrupted, KeyboardInterrupt)):
+        return False
+    _stop_under_way(signum, None)
+    return True
+
+
+def raise_a_lost_stop() -> None:
+    """A stop raised by a handler above that the code it landed in swallowed (a logging call's handler catches
+    every Exception, a library's bare `except`: the run went on to its end), raised again: where the loop starts
+    (`StopRequest`) and where the ranks are launched."""
+    if _raised is not None:
+        raise _raised
+
+
+def stop_taken() -> None:
+    """A stop has reached the code that ends the run with it (hydraloop.errors.exit_on_error, a rank handing it to
+    its launcher): further signals are dropped, to the process's exit."""
+    global _raised
+    _raised = None
+    ignore_further_stops((signal.SIGINT, *STOP_SIGNALS))
 
 
 def _stop_under_way(signum: int, frame: FrameType | None) -> None:

@@ -36,7 +36,14 @@ from hydraloop.parallel.rank_stops import (
     passed_on_to_ranks,
     took_ctrl_c,
 )
-from hydraloop.preemption import STOP_SIGNALS, interrupt_once, loops_entered, stop_at_once
+from hydraloop.preemption import (
+    STOP_SIGNALS,
+    interrupt_once,
+    loops_entered,
+    raise_a_lost_stop,
+    stop_at_once,
+    stop_taken,
+)
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -104,6 +111,7 @@ def launch_ranks(
     logs and the ranks' error files (`torchelastic_*` and, from torch.multiprocessing, `pytorch-errorfile-*`, which
     the agent would leave in the system's temporary folder), and the ranks' stops before training
     (hydraloop.parallel.rank_stops)."""
+    raise_a_lost_stop()  # one a logging call swallowed meanwhile: no rank starts
     with tempfile.TemporaryDirectory(prefix="hydraloop-ranks-") as folder, _temporary_files_in(folder):
         return _launch(nproc_per_node, max_restarts, shutdown_timeout_s, start_method, Path(folder), worker, *args)
 
@@ -229,10 +237,12 @@ def run_rank(stop_marks: str, worker: Callable[..., T], *args) -> T | Stopped:
         try:
             result = worker(*args)
         except Interrupted as stop:
+            stop_taken()
             result = Stopped(stop.signum, str(stop).removeprefix(f"stopped by {signal.Signals(stop.signum).name} "))
             if loops_entered() == loops_before:
                 mark_stopped_alone(stop_marks, stop.signum)
         except KeyboardInterrupt:  # its peers may wait for it in a collective
+            stop_taken()
             result = Stopped(signal.SIGINT, CTRL_C)
             mark_stopped_alone(stop_marks, signal.SIGINT)
         # The rank's work is done; a stop signal passed on from now (the launcher's comes asynchronously, and may
