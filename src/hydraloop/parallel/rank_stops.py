@@ -64,8 +64,9 @@ def mark_taking_ctrl_c(marks: str | Path) -> None:
 
 
 def took_ctrl_c(marks: Path) -> bool:
-    """Whether a rank ended at once on SIGINT: a terminal's Ctrl-C reaches the ranks, not only their launcher."""
-    return any(path.read_text() == "SIGINT" for path in marks.iterdir())
+    """Whether a rank took a SIGINT, and ended at once: a terminal's Ctrl-C reaches the ranks, not only their
+    launcher."""
+    return any(path.name.startswith("taking-") or path.read_text() == "SIGINT" for path in marks.iterdir())
 
 
 @dataclass
@@ -81,11 +82,11 @@ class PassedOn:
 
 
 @contextmanager
-def passed_on_to_ranks(shutdown_timeout_s: float, marks: Path) -> Iterator[PassedOn]:
+def passed_on_to_ranks(shutdown_timeout_s: float, marks: Path, nproc: int) -> Iterator[PassedOn]:
     """The launcher of spawned ranks, while they run: the first stop signal (hydraloop.preemption.STOP_SIGNALS, or
-    SIGINT) is passed on to its child processes, the ranks, and the agent goes on watching them; a later one is
-    dropped. (The agent's own handling shuts the ranks down at once and drops what they return: a rank that finished
-    waited for its SIGKILL; and it waits parallel.shutdown_timeout_s for one stuck in C++.)
+    SIGINT) is passed on to its child processes, the `nproc` ranks (and to one that starts after it), and the agent goes
+    on watching them; a later one is dropped. (The agent's own handling shuts the ranks down at once and drops what they
+    return: a rank that finished waited for its SIGKILL; and it waits parallel.shutdown_timeout_s for one stuck in C++.)
 
     From the first signal on, the ranks are watched: they are ended, as the agent ends them on its own signals (its
     handler's SignalException, here SIGKILL's, makes it kill them, with no restart), `shutdown_timeout_s` after it, or
@@ -124,6 +125,11 @@ def passed_on_to_ranks(shutdown_timeout_s: float, marks: Path) -> Iterator[Passe
         now = time.monotonic()
         if now >= passed_on._deadline:
             kill("the ranks did not stop in time")
+        for rank in multiprocessing.active_children():  # one forked after the signal came: it gets it too
+            if rank not in passed_on.ranks:
+                with suppress(ProcessLookupError):
+                    os.kill(rank.pid, passed_on.signum)
+                passed_on.ranks.append(rank)
         ended = [rank.exitcode for rank in passed_on.ranks if rank.exitcode not in (None, 0)]
         if ended:
             passed_on.cut_short = f"a rank ended at once (exit code {ended[0]})"
@@ -131,13 +137,15 @@ def passed_on_to_ranks(shutdown_timeout_s: float, marks: Path) -> Iterator[Passe
         names = {path.name for path in marks.iterdir()}
         stopped = sorted(name for name in names if name.startswith("rank-"))
         # Every rank stopped alone: none waits for another, and the agent collects what they handed in.
-        if not stopped or len(stopped) == len(passed_on.ranks):
+        if not names or len(stopped) == nproc:
             return
         passed_on._first_mark_at = passed_on._first_mark_at or now
         # Rank 0 writes the run's records: while it is taking a Ctrl-C (its loggers' last records), it gets longer.
+        # A rank that took one and never hands it in (a KeyboardInterrupt that left a lock held) is ended with them.
         grace = WRITER_GRACE_S if "taking-0" in names and "rank-0" not in names else GRACE_S
         if now >= passed_on._first_mark_at + grace:
-            passed_on.cut_short = f"{stopped[0].replace('-', ' ')} stopped before its training"
+            what = "stopped before its training" if stopped else "took a Ctrl-C"
+            passed_on.cut_short = f"{min(stopped or names).replace('-', ' ').replace('taking ', 'rank ')} {what}"
             kill(passed_on.cut_short)
 
     def kill(why: str) -> None:

@@ -160,7 +160,7 @@ def _launch(
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     marks = folder / "stopped"
     marks.mkdir()
-    with passed_on_to_ranks(shutdown_timeout_s, marks) as passed_on:
+    with passed_on_to_ranks(shutdown_timeout_s, marks, nproc_per_node) as passed_on:
         try:
             # {rank: result}; ranks agree, rank 0 speaks
             result = elastic_launch(config, run_rank)(str(marks), worker, *args)[0]
@@ -254,8 +254,11 @@ def run_rank(stop_marks: str, worker: Callable[..., T], *args) -> T | Stopped:
 
 
 def _interrupt_rank(stop_marks: str, signum: int, frame: FrameType | None) -> None:
-    mark_taking_ctrl_c(stop_marks)
-    interrupt_once(signum, frame)
+    try:
+        interrupt_once(signum, frame)
+    except KeyboardInterrupt:  # not dropped: the launcher waits for this rank's way out of it
+        mark_taking_ctrl_c(stop_marks)
+        raise
 
 
 def _multiprocessing_files_in(folder: Path) -> None:
