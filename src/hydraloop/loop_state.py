@@ -115,6 +115,9 @@ class GlobalSums:
     def agree_now(self) -> None:
         """An all-reduce of the stop votes alone: after a checkpoint's write (hydraloop.loop_checkpoints), which a
         signal may have come during, so that the run stops at that checkpoint, not after another."""
+        if self.strategy.world_size == 1:  # its own vote: no collective, no read-back from the device
+            self.agree(self.stop_votes())
+            return
         votes = torch.tensor(self.stop_votes(), dtype=torch.float64, device=self.strategy.device)
         self.agree(self.strategy.all_reduce(votes).tolist())
 
