@@ -18,7 +18,7 @@ from hydraloop.errors import Interrupted, exit_on_error
 from hydraloop.preemption import StopRequest, interrupt_once, stop_at_once
 
 sys.path.insert(0, str(REPO / "scripts"))
-from stop_campaign import environment, left_behind  # noqa: E402
+from run_leftovers import environment, left_behind  # noqa: E402
 
 
 def test_a_stop_signal_while_omegaconf_reads_a_key_stays_a_stop():
