@@ -1,6 +1,6 @@
-"""What a run of `python src/train.py` leaves behind, for scripts/stop_campaign.py and its tests: the files of a
-launch in its TMPDIR, its processes (each carries a marker in its environment), the shared memory it made, and
-whether the checkpoints a stop left read back whole."""
+"""What a run of `python src/train.py` leaves behind, for scripts/stop_campaign.py and its tests: any file in its
+TMPDIR but torch's compile cache, its processes (each carries a marker in its environment), the shared memory it
+made, and whether the checkpoints a stop left read back whole."""
 
 import os
 import sys
@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-LEFT_BY_A_LAUNCH = ("torchelastic_", "pytorch-errorfile-", "hydraloop-ranks-", "pymp-")
+# What may stay in TMPDIR, by design and not per run: torch's compile cache, made by importing torch._dynamo.
+KEPT = "torchinductor_"
 MARKER = "HYDRALOOP_STOP_CAMPAIGN"
 
 
@@ -85,11 +86,11 @@ def unmapped(names: set[str]) -> set[str]:
 
 
 def left_behind(tmpdir: Path, marker: str, shared_before: set[str] | None = None, wait_s: float = 5.0) -> list[str]:
-    """What a run left: files of a launch in `tmpdir`, its processes still running `wait_s` after it ended, and
+    """What a run left: files in `tmpdir`, its processes still running `wait_s` after it ended, and
     shared memory made since `shared_before` (this machine's before the run) still there."""
     deadline = time.monotonic() + wait_s
     while (processes := processes_marked(marker)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    files = [path.name for path in tmpdir.iterdir() if path.name.startswith(LEFT_BY_A_LAUNCH)]
+    files = [path.name for path in tmpdir.iterdir() if not path.name.startswith(KEPT)]
     shared = sorted(unmapped(shared_memory() - shared_before)) if shared_before is not None else []
     return files + [f"process {line}" for line in processes] + [f"shared memory {name}" for name in shared]

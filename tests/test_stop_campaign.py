@@ -114,9 +114,10 @@ def test_stops_at_each_moment_end_within_seconds_resumable_and_leave_nothing(tmp
 @pytest.mark.slow
 def test_no_run_of_spawned_ranks_leaves_a_file_in_tmpdir_or_a_process(tmp_path, train_env):
     """In a TMPDIR of its own, listed after each: a failed rank, a killed rank with loader workers (its fork server,
-    workers and resource tracker outlived it for good), a refused config, a sweep of two ddp jobs. The agent wrote
-    torchelastic_* folders and pytorch-errorfile-* files there and never removed them. (/dev/shm is the machine's,
-    which the suite's other tests share meanwhile: scripts/stop_campaign.py, run alone, checks it.)"""
+    workers and resource tracker outlived it for good), a killed rank 0 logging to W&B, a refused config, a sweep of
+    two ddp jobs. The agent wrote torchelastic_* folders and pytorch-errorfile-* files there and never removed them.
+    (/dev/shm is the machine's, which the suite's other tests share meanwhile: scripts/stop_campaign.py, run alone,
+    checks it.)"""
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     common = ("parallel=ddp", "logger=none", "trainer.max_epochs=1")
@@ -129,6 +130,16 @@ def test_no_run_of_spawned_ranks_leaves_a_file_in_tmpdir_or_a_process(tmp_path, 
             "model._target_=tests.faults.KilledMLP",
             "+model.fail_rank=1",
             "+model.fail_at_step=3",
+        ),
+        # W&B's media and artifact folders, which its exit handlers remove, outlived a killed rank 0.
+        "killed rank 0 logging to wandb": (
+            1,
+            *common[:1],
+            "logger=wandb",
+            "logger.wandb.mode=offline",
+            *common[2:],
+            "model._target_=tests.faults.KilledMLP",
+            "+model.fail_rank=0",
         ),
         "refused config": (2, *common, "parallel.nproc_per_node=0"),
         "sweep": (0, "-m", *common, "trainer.max_steps=3", "seed=0,1", f"hydra.sweep.dir={tmp_path / 'sweep'}"),

@@ -22,6 +22,7 @@ from types import FrameType
 from typing import TypeVar
 
 import torch
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -112,15 +113,15 @@ def launch_ranks(
     the agent would leave in the system's temporary folder), and the ranks' stops before training
     (hydraloop.parallel.rank_stops)."""
     raise_a_lost_stop()  # one a logging call swallowed meanwhile: no rank starts
-    with tempfile.TemporaryDirectory(prefix="hydraloop-ranks-") as folder, _temporary_files_in(folder):
+    with tempfile.TemporaryDirectory(prefix="hydraloop-ranks-") as folder, _launcher_files_in(folder):
         return _launch(nproc_per_node, max_restarts, shutdown_timeout_s, start_method, Path(folder), worker, *args)
 
 
 @contextmanager
-def _temporary_files_in(folder: str) -> Iterator[None]:
+def _launcher_files_in(folder: str) -> Iterator[None]:
     """The launcher's temporary files in `folder` while it lasts: torch.multiprocessing names each rank's error file
     in the temporary folder (tempfile's), and elastic never removes it. A forked rank takes the folder it replaced
-    back (`_start_as_a_spawned_rank`): a rank's own temporary files are the user's."""
+    back (`_start_as_a_spawned_rank`), and moves to one of its own in `folder` (`_temporary_files_in`)."""
     global _tempdir
     _tempdir, tempfile.tempdir = tempfile.tempdir, folder  # None: from the environment (TMPDIR), at its next use
     try:
@@ -230,7 +231,7 @@ def run_rank(stop_marks: str, worker: Callable[..., T], *args) -> T | Stopped:
     launcher (hydraloop.parallel.rank_stops)."""
     if _forked_by == os.getppid():
         _start_as_a_spawned_rank()
-    _multiprocessing_files_in(Path(stop_marks).parent)
+    _temporary_files_in(Path(stop_marks).parent)
     loops_before = loops_entered()
     signal.signal(signal.SIGINT, functools.partial(_interrupt_rank, stop_marks))
     with stop_at_once():
@@ -261,14 +262,15 @@ def _interrupt_rank(stop_marks: str, signum: int, frame: FrameType | None) -> No
         raise
 
 
-def _multiprocessing_files_in(folder: Path) -> None:
-    """This rank's multiprocessing folder (where its data loaders' fork server listens) in the launcher's `folder`,
-    which the launcher removes however the rank ended: one in the temporary folder (pymp-*) outlived a killed rank."""
-    user, tempfile.tempdir = tempfile.tempdir, str(folder)
-    try:
-        multiprocessing.util.get_temp_dir()  # made once per process, and kept
-    finally:
-        tempfile.tempdir = user
+def _temporary_files_in(folder: Path) -> None:
+    """This rank's temporary files in the launcher's `folder`, which the launcher removes however the rank ended:
+    tempfile's folder, and TMPDIR for what the rank starts (its loader workers and their fork server, a logger's
+    service). A killed rank's files outlived it in the user's: its multiprocessing folder (pymp-*), W&B's media and
+    artifact folders. torch's compile cache is made to stay where it was (TORCHINDUCTOR_CACHE_DIR), for later runs."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # in the user's temporary folder
+    own = folder / "tmp"
+    own.mkdir(exist_ok=True)  # by the first rank
+    os.environ["TMPDIR"] = tempfile.tempdir = str(own)
 
 
 def _start_as_a_spawned_rank() -> None:
