@@ -105,7 +105,7 @@ def measure(args) -> dict:
                 [*BASE, *parallel, *gpt("1x32"), "trainer.max_steps=2"], Path(tmp) / f"base-{strategy}", env
             )
             for size in args.sizes:
-                for recompute in (False, True):
+                for recompute in args.recompute:
                     run_dir = Path(tmp) / f"{strategy}-{size}-{recompute}"
                     common = [
                         *BASE,
@@ -186,8 +186,16 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
     parser.add_argument("--repeats", type=int, default=3, help="of the stall measurement (0: none)")
+    parser.add_argument(
+        "--activations",
+        nargs="+",
+        default=["keep", "recompute"],
+        choices=["keep", "recompute"],
+        help="kept for the backward pass, or recomputed (trainer.activation_checkpointing)",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "benchmark_memory.json")
     args = parser.parse_args()
+    args.recompute = [choice == "recompute" for choice in args.activations]
     print("(f) memory: each rank's peak above the runtime's own, through a save and a resume")
     report = measure(args)
     print_report(report)
