@@ -61,7 +61,7 @@ from hydraloop.parallel.single import SingleDevice
 from hydraloop.parallel.spawned_ranks import count_threads_before_computing
 from hydraloop.parallel.sweep_share import take_machine_share
 from hydraloop.predict import predict
-from hydraloop.preemption import STOP_SIGNALS, interrupt_once
+from hydraloop.preemption import STOP_SIGNALS, interrupt_once, stop_in
 from hydraloop.rank_logging import FORMAT, JOB_LOG_ONLY, setup_rank_logging
 from hydraloop.resume import check_resumable, checkpoint_to_resume, finished_records
 from hydraloop.run_lock import owned_run_directory
@@ -97,9 +97,9 @@ def train(cfg: DictConfig, job: JobInfo) -> dict:
         traceback.clear_frames(error.__traceback__)  # frees what build_and_run made first (see there)
         atexit.register(strategy.teardown)
         # Bad input (also when a data set or model constructor rejected its arguments), a diverged loss, a failed
-        # write and a stop signal: the launcher reports them as one line. Anything else is a failure, logged with its
-        # traceback.
-        cause = unwrap_instantiation(error)
+        # write and a stop signal (also one a library raised an error of its own from): the launcher reports them as
+        # one line. Anything else is a failure, logged with its traceback.
+        cause = stop_in(error) or unwrap_instantiation(error)
         if isinstance(cause, (ConfigError, TrainingDiverged, StorageError, Interrupted, WorkerFailed)):
             raise cause from None
         if peer_gone(error):  # the consequence of another rank's failure, which the launcher (or torchrun) names

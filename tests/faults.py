@@ -213,6 +213,26 @@ class SlowStartMLP(MLP):
             time.sleep(0.05)
 
 
+class StopWrappedMLP(MLP):
+    """Where rank `fail_rank` builds it for real, a SIGTERM lands in code that raises an error of its own from it, as
+    DTensor's sharding propagation does (`RuntimeError(...) from error`) while fsdp builds its parameters. The
+    launcher gets the signal too, as a terminal's or a scheduler's reaches the whole process group, and passes it on
+    while the rank handles its own."""
+
+    def __init__(self, *args, fail_rank: int = 0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if next(self.parameters()).is_meta or int(os.environ.get("RANK", 0)) != fail_rank:
+            return
+        try:
+            signal.raise_signal(signal.SIGTERM)  # handled at the next instruction, inside the try
+            time.sleep(0.01)
+        except Exception as error:
+            if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank its launcher started
+                os.kill(os.getppid(), signal.SIGTERM)
+                time.sleep(0.5)  # the launcher's comes meanwhile
+            raise RuntimeError(f"{error}\n\nSharding propagation failed for aten.empty_like.default") from error
+
+
 class RankDependentMLP(MLP):
     """An MLP whose classifier reads the rank in training, as a layer that reads RANK or keeps a generator per
     process would: rank r scales the logits by 1 + r / 10. Single-process training is rank 0 alone, so every

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from conftest import REPO, TRAIN
 from hydraloop.errors import Interrupted, exit_on_error
-from hydraloop.preemption import StopRequest, interrupt_once, stop_at_once
+from hydraloop.preemption import StopRequest, interrupt_once, stop_at_once, stop_taken
 
 sys.path.insert(0, str(REPO / "scripts"))
 from run_leftovers import environment, left_behind  # noqa: E402
@@ -49,6 +49,31 @@ def test_a_stop_signal_while_omegaconf_reads_a_key_stays_a_stop():
     with pytest.raises(SystemExit) as exited, exit_on_error():
         raise unpickled
     assert exited.value.code == 128 + signal.SIGTERM
+
+
+def test_a_stop_that_the_code_it_landed_in_raised_an_error_from_stays_a_stop():
+    """A library that re-raises any Exception as its own (DTensor's sharding propagation: `RuntimeError(...) from`
+    it) made a stop signal a failure: while fsdp built its parameters, a failed rank (exit 1), and a second SIGTERM
+    then ended the launcher by the signal (-15). An error that carries no stop stays what it was."""
+    with pytest.raises(Interrupted) as stop, stop_at_once():
+        try:
+            signal.raise_signal(signal.SIGTERM)  # handled at the next instruction, inside the try
+            time.sleep(0.01)
+        except Exception as error:
+            raise RuntimeError(f"{error}\n\nSharding propagation failed") from error
+    assert (stop.value.signum, type(stop.value.__cause__)) == (signal.SIGTERM, RuntimeError)
+    stop_taken()
+    with pytest.raises(ValueError), stop_at_once():
+        raise ValueError("not a stop")
+
+
+def test_a_stop_inside_a_library_while_the_model_is_built_ends_the_run_as_a_stop(run_train):
+    """The same where a run builds its model (tests.faults.StopWrappedMLP): the rank logged `training failed` with
+    the library's traceback, and the run ended as a failure (exit 1) where nothing else took the signal."""
+    run = run_train("logger=none", "model._target_=tests.faults.StopWrappedMLP")
+    assert run.returncode == 143, run.output
+    assert "stopped by SIGTERM outside the training loop, without a checkpoint" in run.output
+    assert "training failed" not in run.output and "Sharding propagation" not in run.output
 
 
 @pytest.mark.parametrize("sent", [signal.SIGTERM, signal.SIGINT])

@@ -148,6 +148,21 @@ def _on_its_way_out(signum: int) -> bool:
     return True
 
 
+def stop_in(error: BaseException) -> Interrupted | None:
+    """`error` if it is a stop; else the stop this process's handler raised, where the code it landed in raised an
+    error of its own from it (DTensor's sharding propagation re-raises any Exception as a RuntimeError: a stop signal
+    while fsdp built its parameters was a failed rank, exit 1); else None."""
+    if isinstance(error, Interrupted):
+        return error
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if error is _raised:
+            return _raised
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def raise_a_lost_stop() -> None:
     """A stop raised by a handler above that the code it landed in swallowed (a logging call's handler catches
     every Exception, a library's bare `except`: the run went on to its end), raised again: where the loop starts
@@ -199,9 +214,14 @@ def stop_at_once() -> Iterator[None]:
     stopping = False
     try:
         yield
-    except Interrupted:
+    except Exception as error:
+        stop = stop_in(error)
+        if stop is None:
+            raise
         stopping = True
-        raise
+        if stop is error:
+            raise
+        raise stop from error
     finally:
         # Another's handler (torch.distributed.elastic's launcher installs its own) stays.
         ours = [sig for sig in ours if signal.getsignal(sig) in (_stop_now, _stop_under_way)]

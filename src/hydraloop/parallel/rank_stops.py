@@ -93,8 +93,8 @@ def passed_on_to_ranks(shutdown_timeout_s: float, marks: Path, nproc: int) -> It
     once a rank stopped alone (a file in `marks`, `mark_stopped_alone`) while another has not (`GRACE_S` later,
     `WRITER_GRACE_S` while rank 0 is taking a Ctrl-C, `mark_taking_ctrl_c`), or ended with an error (at once: the agent
     would stop the others and wait 30 s for one stuck in C++, or restart them). A signal that finds no rank running
-    (none started yet) is the agent's at once, as SignalException too. Once a stop leaves this block as Interrupted,
-    further signals are dropped (hydraloop.preemption.ignore_further_stops)."""
+    (none started yet) is the agent's at once, as SignalException too. Once one was passed on, further signals are
+    dropped on the way out of this block, however the ranks ended (hydraloop.preemption.ignore_further_stops)."""
     passed_on = PassedOn()
     if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
         yield passed_on
@@ -164,5 +164,5 @@ def passed_on_to_ranks(shutdown_timeout_s: float, marks: Path, nproc: int) -> It
         signal.setitimer(signal.ITIMER_REAL, 0)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        if stopping:
+        if stopping or passed_on.signum:  # also where a rank failed meanwhile: a stop was under way
             ignore_further_stops(PASSED_ON)
