@@ -12,10 +12,10 @@ once, without a checkpoint) or SIGTERM-twice (a second SIGTERM 0.2 s after the f
 with --to group, to its whole process group (as a terminal's Ctrl-C reaches the ranks too). It then checks that the stop
 ended within --max-stop-s with exit 128 + the signal's number (or 0 with metrics.json: a run that finished before the
 signal), that every checkpoint left reads back whole, last.pt the newest, and no write is left unfinished (*.tmp) (a
-stop during a validation: at that validation's checkpoint), that no file is left in TMPDIR by the launch
-(torchelastic_*, pytorch-errorfile-*, hydraloop-ranks-*, pymp-*) no process of the run is left (each carries a marker in
-its environment) and no shared memory it made (/dev/shm), and that the same command rerun ends at the uninterrupted
-run's parameters (dropout included).
+stop during a validation: at that validation's checkpoint), that no file is left in TMPDIR but torch's compile cache
+(the agent's torchelastic_* and pytorch-errorfile-*, a rank's pymp-* were), no process of the run is left (each
+carries a marker in its environment) and no shared memory it made (/dev/shm), and that the same command rerun ends
+at the uninterrupted run's parameters (dropout included).
 
     python scripts/stop_campaign.py --tries 48                       # ddp, fork and spawn, the six moments
     python scripts/stop_campaign.py --tries 16 --parallel ddp fsdp --moments validation checkpoint

@@ -4,11 +4,14 @@ them leaves a file in the temporary folder or a process behind (scripts/stop_cam
 import json
 import logging
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -141,15 +144,21 @@ def test_no_run_of_spawned_ranks_leaves_a_file_in_tmpdir_or_a_process(tmp_path, 
     """In a TMPDIR of its own, listed after each: a failed rank, a killed rank with loader workers (its fork server,
     workers and resource tracker outlived it for good), a killed rank 0 logging to W&B, a refused config, a sweep of
     two ddp jobs. The agent wrote torchelastic_* folders and pytorch-errorfile-* files there and never removed them.
-    (/dev/shm is the machine's, which the suite's other tests share meanwhile: scripts/stop_campaign.py, run alone,
-    checks it.)"""
-    tmpdir = tmp_path / "tmp"
-    tmpdir.mkdir()
+    And loader workers under a TMPDIR of 72 characters, which a single process takes: the fork server's socket in the
+    launcher's folder was past a socket path's 107 (`AF_UNIX path too long`). (/dev/shm is the machine's, which the
+    suite's other tests share meanwhile: scripts/stop_campaign.py, run alone, checks it.)"""
+    short = Path(tempfile.mkdtemp(dir="/tmp"))  # the fork server's socket fits in the launcher's folder
+    long = Path(tempfile.mkdtemp(dir="/tmp"))
+    long = long / ("t" * (72 - len(f"{long}/")))
+    long.mkdir()
     common = ("parallel=ddp", "logger=none", "trainer.max_epochs=1")
+    killed = "(exit code -9)"  # not a rank that failed as its loader workers started
     cases = {
-        "failed rank": (1, *common, "model._target_=tests.faults.RaisingMLP", "+model.fail_rank=1"),
+        "failed rank": (1, short, "", *common, "model._target_=tests.faults.RaisingMLP", "+model.fail_rank=1"),
         "killed rank with workers": (
             1,
+            short,
+            killed,
             *common,
             "data.num_workers=1",
             "model._target_=tests.faults.KilledMLP",
@@ -159,6 +168,8 @@ def test_no_run_of_spawned_ranks_leaves_a_file_in_tmpdir_or_a_process(tmp_path, 
         # W&B's media and artifact folders, which its exit handlers remove, outlived a killed rank 0.
         "killed rank 0 logging to wandb": (
             1,
+            short,
+            killed,
             *common[:1],
             "logger=wandb",
             "logger.wandb.mode=offline",
@@ -166,15 +177,29 @@ def test_no_run_of_spawned_ranks_leaves_a_file_in_tmpdir_or_a_process(tmp_path, 
             "model._target_=tests.faults.KilledMLP",
             "+model.fail_rank=0",
         ),
-        "refused config": (2, *common, "parallel.nproc_per_node=0"),
-        "sweep": (0, "-m", *common, "trainer.max_steps=3", "seed=0,1", f"hydra.sweep.dir={tmp_path / 'sweep'}"),
+        "refused config": (2, short, "", *common, "parallel.nproc_per_node=0"),
+        "sweep": (
+            0,
+            short,
+            "",
+            "-m",
+            *common,
+            "trainer.max_steps=3",
+            "seed=0,1",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        ),
+        "workers under a long TMPDIR": (0, long, "", *common, "trainer.max_steps=3", "data.num_workers=1"),
     }
-    for case, (expected, *overrides) in cases.items():
-        marker = uuid.uuid4().hex
-        run_dir = f"hydra.run.dir={tmp_path / case.replace(' ', '-')}"
-        command = [sys.executable, str(TRAIN), *overrides, run_dir]
-        done = subprocess.run(
-            command, env=environment(tmpdir, marker, train_env), capture_output=True, text=True, timeout=300
-        )
-        assert done.returncode == expected, (case, done.stdout + done.stderr)
-        assert left_behind(tmpdir, marker) == [], case
+    try:
+        for case, (expected, tmpdir, said, *overrides) in cases.items():
+            marker = uuid.uuid4().hex
+            run_dir = f"hydra.run.dir={tmp_path / case.replace(' ', '-')}"
+            command = [sys.executable, str(TRAIN), *overrides, run_dir]
+            done = subprocess.run(
+                command, env=environment(tmpdir, marker, train_env), capture_output=True, text=True, timeout=300
+            )
+            assert done.returncode == expected and said in done.stdout + done.stderr, (case, done.stdout + done.stderr)
+            assert left_behind(tmpdir, marker) == [], case
+    finally:
+        shutil.rmtree(short)
+        shutil.rmtree(long.parent)

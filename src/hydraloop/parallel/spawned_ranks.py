@@ -47,6 +47,7 @@ from hydraloop.preemption import (
 )
 
 T = TypeVar("T")
+SOCKET_PATH_MAX = 107  # a Unix socket's path: sun_path's 108 bytes, with its terminating NUL
 log = logging.getLogger(__name__)
 
 
@@ -113,7 +114,7 @@ def launch_ranks(
     the agent would leave in the system's temporary folder), and the ranks' stops before training
     (hydraloop.parallel.rank_stops)."""
     raise_a_lost_stop()  # one a logging call swallowed meanwhile: no rank starts
-    with tempfile.TemporaryDirectory(prefix="hydraloop-ranks-") as folder, _launcher_files_in(folder):
+    with tempfile.TemporaryDirectory(prefix="hydraloop-") as folder, _launcher_files_in(folder):
         return _launch(nproc_per_node, max_restarts, shutdown_timeout_s, start_method, Path(folder), worker, *args)
 
 
@@ -266,11 +267,15 @@ def _temporary_files_in(folder: Path) -> None:
     """This rank's temporary files in the launcher's `folder`, which the launcher removes however the rank ended:
     tempfile's folder, and TMPDIR for what the rank starts (its loader workers and their fork server, a logger's
     service). A killed rank's files outlived it in the user's: its multiprocessing folder (pymp-*), W&B's media and
-    artifact folders. torch's compile cache is made to stay where it was (TORCHINDUCTOR_CACHE_DIR), for later runs."""
+    artifact folders. torch's compile cache is made to stay where it was (TORCHINDUCTOR_CACHE_DIR), for later runs.
+
+    The loaders' fork server listens on a socket in the multiprocessing folder, whose path a socket takes only up to
+    107 characters: where the launcher's folder makes it longer (a TMPDIR past 56), that folder is made in the user's
+    TMPDIR, as a single process makes it (a 51-character TMPDIR failed with `AF_UNIX path too long`)."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # in the user's temporary folder
-    own = folder / "tmp"
-    own.mkdir(exist_ok=True)  # by the first rank
-    os.environ["TMPDIR"] = tempfile.tempdir = str(own)
+    if len(f"{folder}/pymp-12345678/listener-12345678") > SOCKET_PATH_MAX:
+        multiprocessing.util.get_temp_dir()  # made once per process, and kept
+    os.environ["TMPDIR"] = tempfile.tempdir = str(folder)
 
 
 def _start_as_a_spawned_rank() -> None:
