@@ -53,17 +53,24 @@ def test_a_resume_past_a_lowered_limit_ends_that_epoch_and_trains_the_next(train
 
 
 def test_a_resume_with_another_learning_rate_trains_with_it_and_says_so(train_in_process, caplog):
+    """Said once, though both groups (with and without weight decay) changed their lr."""
     caplog.set_level(logging.INFO)
-    _, run_dir = train_in_process("trainer.max_epochs=1", "logger=none")
+    groups = ("logger=none", "optimizer.no_weight_decay=true")
+    _, run_dir = train_in_process("trainer.max_epochs=1", *groups)
     before = checkpoint(run_dir)
-    train_in_process("trainer.max_epochs=2", "optimizer.lr=1e-12", "optimizer.weight_decay=0", run_dir=run_dir)
+    train_in_process("trainer.max_epochs=2", *groups, "optimizer.lr=1e-12", "optimizer.weight_decay=0", run_dir=run_dir)
     after = checkpoint(run_dir)
-    assert "optimizer.lr 0.003 -> 1e-12" in caplog.text and "optimizer.weight_decay 0.01 -> 0" in caplog.text
+    said = "from step 22 on: optimizer.weight_decay 0.01 -> 0, optimizer.lr 0.003 -> 1e-12"
+    assert caplog.text.count(said) == 1 and caplog.text.count("optimizer.lr 0.003 -> 1e-12") == 1, caplog.text
     assert after["global_step"] == 44
     assert max_param_diff(after["model"], before["model"]) < 1e-8  # an epoch at lr 1e-12 moves nothing
-    group = after["optimizer"]["param_groups"][0]
-    assert (group["lr"], group["initial_lr"], group["weight_decay"]) == (1e-12, 1e-12, 0)
-    assert after["scheduler"]["base_lrs"] == [1e-12]
+    assert [
+        (group["lr"], group["initial_lr"], group["weight_decay"]) for group in after["optimizer"]["param_groups"]
+    ] == [
+        (1e-12, 1e-12, 0),
+        (1e-12, 1e-12, 0),
+    ]
+    assert after["scheduler"]["base_lrs"] == [1e-12, 1e-12]
 
 
 def test_a_run_from_another_directorys_checkpoint_keeps_a_best_of_its_own(train_in_process):

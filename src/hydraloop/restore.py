@@ -136,7 +136,9 @@ def restore(
         apply_current_step(scheduler)
     if changed:
         log.info(
-            "resumed with new hyper-parameters, from step %d on: %s", checkpoint["global_step"], ", ".join(changed)
+            "resumed with new hyper-parameters, from step %d on: %s",
+            checkpoint["global_step"],
+            ", ".join(dict.fromkeys(changed)),  # once, where several groups changed alike
         )
     precision.load_state_dict(checkpoint.get("grad_scaler", {}))
     restore_rng_state(checkpoint["rng"], strategy.device)
