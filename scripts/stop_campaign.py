@@ -72,12 +72,19 @@ SIGNALS = {"SIGTERM": [signal.SIGTERM], "SIGINT": [signal.SIGINT], "SIGTERM-twic
 
 
 def command(
-    parallel: str, start_method: str, run_dir: Path, faults: Path | None, where: str = "step", step: int = 1
+    parallel: str,
+    start_method: str,
+    run_dir: Path,
+    faults: Path | None,
+    where: str = "step",
+    step: int = 1,
+    workers: int = 0,
 ) -> list[str]:
-    """The run's command; with `faults`, rank 0 writes `faults/paused` in training step `step` (`where`: step), in
-    the validation after it (validation) or in the write of its checkpoint (checkpoint), and waits there until
-    `faults/resume` exists (tests/waits.py)."""
+    """The run's command, with `workers` loader workers per rank; with `faults`, rank 0 writes `faults/paused` in
+    training step `step` (`where`: step), in the validation after it (validation) or in the write of its checkpoint
+    (checkpoint), and waits there until `faults/resume` exists (tests/waits.py)."""
     overrides = [f"parallel={parallel}", f"parallel.start_method={start_method}", *RECIPE, f"hydra.run.dir={run_dir}"]
+    overrides += [f"data.num_workers={workers}"]
     if faults is None:
         return [sys.executable, str(TRAIN), *overrides]
     files = {"pause_file": faults / "paused", "resume_file": faults / "resume"}
@@ -114,6 +121,7 @@ def one_try(
     sent: str,
     to: str = "launcher",
     shared: bool = True,
+    workers: int = 0,
 ) -> dict:
     tmpdir, faults, run_dir = folder / "tmp", folder / "faults", folder / "run"
     for path in (tmpdir, faults):
@@ -121,7 +129,7 @@ def one_try(
     marker = uuid.uuid4().hex
     env = environment(tmpdir, marker)
     where, step = MOMENTS[moment]
-    job_command = command(parallel, start_method, run_dir, faults, where, step or 1)
+    job_command = command(parallel, start_method, run_dir, faults, where, step or 1, workers)
     shared_before = shared_memory() if shared else None
     # A session of its own: its process group is the command's, which a terminal's Ctrl-C reaches as a whole.
     job = subprocess.Popen(
@@ -219,6 +227,12 @@ def main() -> int:
         default=True,
         help="count /dev/shm entries a try made and left (the machine's: off where other runs go on meanwhile)",
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="loader workers per rank (data.num_workers): a group's signal reaches them",
+    )
     parser.add_argument("--max-stop-s", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=0, help="of the random instants of `start` tries")
     parser.add_argument("--out", type=Path, help="a JSON file of every try")
@@ -232,7 +246,7 @@ def main() -> int:
             tmpdir.mkdir(parents=True)
             run_dir, shared_before = tmpdir.parent / "run", shared_memory() if args.shared_memory else None
             done = subprocess.run(
-                command(parallel, "auto", run_dir, None),
+                command(parallel, "auto", run_dir, None, workers=args.workers),
                 env=environment(tmpdir, marker),
                 capture_output=True,
                 text=True,
@@ -256,7 +270,16 @@ def main() -> int:
             sent = args.signals[(number + number // len(args.moments)) % len(args.signals)]
             to = args.to[number // len(args.moments) % len(args.to)]
             result = one_try(
-                parallel, start_method, moment, folder, references[parallel], rng, sent, to, args.shared_memory
+                parallel,
+                start_method,
+                moment,
+                folder,
+                references[parallel],
+                rng,
+                sent,
+                to=to,
+                shared=args.shared_memory,
+                workers=args.workers,
             )
             result["problems"] = judge(result, args.max_stop_s)
             failed += bool(result["problems"])

@@ -111,14 +111,15 @@ def test_stops_at_each_moment_end_within_seconds_resumable_and_leave_nothing(tmp
     terminal sends it (scripts/stop_campaign.py --tries 48 for more): SIGINT while the ranks start (forked: 60 s before,
     the agent's shutdown timeout, for a rank stuck in gloo's connect), two SIGTERMs in step 1 (spawned ranks: the second
     ended the launcher by the signal), SIGTERM during a validation (forked), SIGINT mid-epoch (spawned) and two SIGTERMs
-    during a checkpoint write (forked). Each ends within 5 s with 128 + the first signal's number, leaves its
-    checkpoints whole, nothing in its own TMPDIR and no process, and its rerun ends at the uninterrupted run's
-    parameters (whose run leaves nothing either)."""
+    during a checkpoint write (forked), each rank with a loader worker. Each ends within 5 s with 128 + the first
+    signal's number, leaves its checkpoints whole, nothing in its own TMPDIR and no process, and its rerun ends at the
+    uninterrupted run's parameters (whose run leaves nothing either)."""
     out = tmp_path / "tries.json"
     command = [sys.executable, str(REPO / "scripts" / "stop_campaign.py"), "--tries", "5", "--out", str(out)]
     command += ["--moments", "start", "first-step", "validation", "mid-epoch", "checkpoint"]  # not `launch`: no rank
     command += ["--signals", "SIGINT", "SIGTERM-twice", "SIGTERM", "--to", "group"]  # as a terminal sends them
     command += ["--no-shared-memory"]  # the machine's, which the suite's other tests share meanwhile
+    command += ["--workers", "1"]  # a signal to the group ended a rank's loader workers, and the rank failed
     done = subprocess.run(command, env=train_env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "5 tries, 0 failed" in done.stdout, done.stdout

@@ -3,7 +3,13 @@ fork server means to do with the preload entry `__main__` and does not (3.11 to 
 nor the sys.path they compute). With the sys.path and the entrypoint of the process that started it (given in
 HYDRALOOP_FORKSERVER_MAIN while it starts), the server holds the entrypoint's imports, and a worker forked from it
 finds its `__main__` imported: without this, every worker imported the entrypoint, torch and Hydra included, anew
-(3-4 s of CPU each on a busy machine, at the first training and the first validation batch of every rank)."""
+(3-4 s of CPU each on a busy machine, at the first training and the first validation batch of every rank).
+
+The server, and the workers it forks, leave the rank's process group for a session of their own: a stop signal to
+the run's group (a terminal's Ctrl-C, `kill -TERM -PGID`) is the rank's, which stops its loaders. It ended the
+workers at once, and the rank failed where it would have written a checkpoint and stopped (exit 143 all the same,
+with no checkpoint). Their parent still ends them (SIGTERM to each), and they end with it however it ends
+(hydraloop.data.loaders._end_with)."""
 
 import json
 import os
@@ -13,7 +19,11 @@ from multiprocessing import spawn
 ENV = "HYDRALOOP_FORKSERVER_MAIN"
 
 _given = os.environ.pop(ENV, None)
-if _given:
+if _given:  # in the server, not in the rank that imports this module too
+    try:
+        os.setsid()
+    except OSError:  # a process group's leader already: not started by a rank
+        pass
     try:
         _given = json.loads(_given)
         sys.path[:] = _given["sys_path"]
