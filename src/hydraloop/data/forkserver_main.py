@@ -11,6 +11,7 @@ workers at once, and the rank failed where it would have written a checkpoint an
 with no checkpoint). Their parent still ends them (SIGTERM to each), and they end with it however it ends
 (hydraloop.data.loaders._end_with)."""
 
+import contextlib
 import json
 import os
 import sys
@@ -20,10 +21,8 @@ ENV = "HYDRALOOP_FORKSERVER_MAIN"
 
 _given = os.environ.pop(ENV, None)
 if _given:  # in the server, not in the rank that imports this module too
-    try:
+    with contextlib.suppress(OSError):  # a process group's leader already: not started by a rank
         os.setsid()
-    except OSError:  # a process group's leader already: not started by a rank
-        pass
     try:
         _given = json.loads(_given)
         sys.path[:] = _given["sys_path"]

@@ -122,7 +122,7 @@ def launch_ranks(
 def _launcher_files_in(folder: str) -> Iterator[None]:
     """The launcher's temporary files in `folder` while it lasts: torch.multiprocessing names each rank's error file
     in the temporary folder (tempfile's), and elastic never removes it. A forked rank takes the folder it replaced
-    back (`_start_as_a_spawned_rank`), and moves to one of its own in `folder` (`_temporary_files_in`)."""
+    back (`_start_as_a_spawned_rank`), then keeps its own temporary files in `folder` too (`_temporary_files_in`)."""
     global _tempdir
     _tempdir, tempfile.tempdir = tempfile.tempdir, folder  # None: from the environment (TMPDIR), at its next use
     try:
