@@ -264,14 +264,11 @@ def _interrupt_rank(stop_marks: str, signum: int, frame: FrameType | None) -> No
 
 
 def _temporary_files_in(folder: Path) -> None:
-    """This rank's temporary files in the launcher's `folder`, which the launcher removes however the rank ended:
-    tempfile's folder, and TMPDIR for what the rank starts (its loader workers and their fork server, a logger's
-    service). A killed rank's files outlived it in the user's: its multiprocessing folder (pymp-*), W&B's media and
-    artifact folders. torch's compile cache is made to stay where it was (TORCHINDUCTOR_CACHE_DIR), for later runs.
-
-    The loaders' fork server listens on a socket in the multiprocessing folder, whose path a socket takes only up to
-    107 characters: where the launcher's folder makes it longer (a TMPDIR past 56), that folder is made in the user's
-    TMPDIR, as a single process makes it (a 51-character TMPDIR failed with `AF_UNIX path too long`)."""
+    """This rank's temporary files (tempfile's, and TMPDIR for what it starts) in the launcher's `folder`, removed
+    however the rank ended: a killed rank's pymp-* and W&B's media folders outlived it in the user's. torch's compile
+    cache stays there (TORCHINDUCTOR_CACHE_DIR), for later runs. The loaders' fork server listens on a socket in the
+    multiprocessing folder, whose path takes 107 characters at most: past that (a TMPDIR past 56 characters; 51
+    failed with `AF_UNIX path too long`), the folder is made in the user's TMPDIR, as a single process makes it."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # in the user's temporary folder
     if len(f"{folder}/pymp-12345678/listener-12345678") > SOCKET_PATH_MAX:
         multiprocessing.util.get_temp_dir()  # made once per process, and kept
