@@ -14,7 +14,6 @@ Past 300 lines because it is one array: each axis value's command and what its c
 
 import fnmatch
 import json
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -232,7 +231,7 @@ def predict_files(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def references(data_cache) -> References:
+def references(data_cache, tmp_path_factory) -> References:
     """Trained by src/train.py's task function in this process (the single-process command without its start-up)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("XDG_CACHE_HOME", str(data_cache))
@@ -240,7 +239,7 @@ def references(data_cache) -> References:
         import train  # src/train.py; importing registers the schemas
 
         def train_here(*overrides: str) -> Path:
-            run_dir = Path(tempfile.mkdtemp(prefix="matrix-reference-"))
+            run_dir = tmp_path_factory.mktemp("matrix-reference")  # pytest keeps the last 3 sessions' and no more
             GlobalHydra.instance().clear()
             with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
                 cfg = compose("train", overrides=[*overrides, f"output_dir={run_dir}", f"log_file={run_dir}/train.log"])

@@ -160,7 +160,8 @@ def _check_no_empty_cells(train: Any, val: Any, columns: dict[str, str | None], 
     for key, column in columns.items():
         if column is None:
             continue
-        empty = sum(value is None for split in (train, val) for value in split[column])
+        # Arrow counts them: reading the column into Python took 0.1 s per 4000 rows, in the launcher and each rank.
+        empty = sum(split.with_format("arrow")[column].null_count for split in (train, val))
         require(
             empty == 0,
             f"data.dataset.{key}={column}: {path} has {empty} empty cell(s) there; fill or drop those rows",
