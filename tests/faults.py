@@ -217,9 +217,9 @@ class StopWrappedMLP(MLP):
     """Where rank `fail_rank` builds it for real, a SIGTERM lands in code that raises an error of its own from it, as
     DTensor's sharding propagation does (`RuntimeError(...) from error`) while fsdp builds its parameters. The
     launcher gets the signal too, as a terminal's or a scheduler's reaches the whole process group, and passes it on
-    while the rank handles its own."""
+    while the rank handles its own; with `alone`, it does not (`kill <the rank's pid>`)."""
 
-    def __init__(self, *args, fail_rank: int = 0, **kwargs) -> None:
+    def __init__(self, *args, fail_rank: int = 0, alone: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if next(self.parameters()).is_meta or int(os.environ.get("RANK", 0)) != fail_rank:
             return
@@ -227,7 +227,7 @@ class StopWrappedMLP(MLP):
             signal.raise_signal(signal.SIGTERM)  # handled at the next instruction, inside the try
             time.sleep(0.01)
         except Exception as error:
-            if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank its launcher started
+            if "TORCHELASTIC_RUN_ID" in os.environ and not alone:  # a rank its launcher started
                 os.kill(os.getppid(), signal.SIGTERM)
                 time.sleep(0.5)  # the launcher's comes meanwhile
             raise RuntimeError(f"{error}\n\nSharding propagation failed for aten.empty_like.default") from error

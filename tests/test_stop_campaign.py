@@ -4,6 +4,7 @@ them leaves a file in the temporary folder or a process behind (scripts/stop_cam
 import json
 import logging
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -77,6 +78,22 @@ def test_a_stop_inside_a_library_while_the_model_is_built_ends_the_run_as_a_stop
     assert run.returncode == 143, run.output
     assert "stopped by SIGTERM outside the training loop, without a checkpoint" in run.output
     assert "training failed" not in run.output and "Sharding propagation" not in run.output
+
+
+@pytest.mark.slow
+def test_a_stop_signal_to_one_rank_alone_before_its_training_stops_the_job(run_train):
+    """`kill <a rank's pid>` (or a scheduler's signal to one task) while rank 1 builds its model: the rank stopped,
+    and rank 0 waited in a collective until parallel.timeout_s (then failed: exit 1). Now the rank hands its signal
+    to the launcher, which stops the job as on its own."""
+    model = ("model._target_=tests.faults.StopWrappedMLP", "+model.fail_rank=1", "+model.alone=true")
+    run = run_train("parallel=ddp", "parallel.timeout_s=60", "logger=none", *model, timeout=50)
+    assert run.returncode == 143, run.output
+    # Rank 0 hands in its own stop before training, or is ended a moment later: said either way.
+    assert re.search(
+        r"stopped by SIGTERM (outside the training loop|while the ranks were starting, before training), "
+        "without a checkpoint",
+        run.output,
+    ), run.output
 
 
 @pytest.mark.parametrize("sent", [signal.SIGTERM, signal.SIGINT])

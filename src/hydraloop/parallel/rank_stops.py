@@ -11,7 +11,8 @@ process group, building, wrapping, resuming), or at once (SIGINT), or before it 
 starting) leaves its peers waiting for it, in C++ where no signal reaches them (a store or gloo connect, DDP's check
 of the parameters, a step's all-reduce) until their timeout (parallel.timeout_s), and the launcher until
 parallel.shutdown_timeout_s. No checkpoint can come of such an end: the launcher gives the others `GRACE_S` to hand
-in their own stop, then kills them, and reports the stop without pointing at a checkpoint.
+in their own stop, then kills them, and reports the stop without pointing at a checkpoint. A rank that stops so on a
+signal of its own, which the launcher did not pass on, hands it to the launcher: the same follows.
 """
 
 import logging
@@ -41,6 +42,8 @@ WRITER_GRACE_S = 3.0
 """The same, while rank 0, which writes the run's records, is taking a Ctrl-C: it may be finishing its loggers' runs
 (W&B's takes about 1 s)."""
 WATCH_INTERVAL_S = 0.1
+PASSED_ON_MARK = "passed-on"
+"""Beside the marks folder, once the launcher passed a signal on."""
 
 
 @dataclass(frozen=True)
@@ -54,8 +57,12 @@ class Stopped:
 
 def mark_stopped_alone(marks: str | Path, signum: int) -> None:
     """Tells the launcher (`passed_on_to_ranks`) that this rank stopped on `signum` without its peers, before its
-    training started or at once (SIGINT): they may wait for it where no signal reaches them."""
+    training started or at once (SIGINT): they may wait for it where no signal reaches them. A signal the launcher did
+    not pass on (`kill <this rank's pid>`, a scheduler's per task) is the launcher's too: the job stops, as on it, where
+    the peers would have waited until parallel.timeout_s."""
     (Path(marks) / f"rank-{os.environ.get('RANK', '0')}").write_text(signal.Signals(signum).name)
+    if not Path(marks).with_name(PASSED_ON_MARK).exists():  # the launcher is this rank's parent, the agent
+        os.kill(os.getppid(), signum)
 
 
 def mark_taking_ctrl_c(marks: str | Path) -> None:
@@ -113,6 +120,7 @@ def passed_on_to_ranks(shutdown_timeout_s: float, marks: Path, nproc: int) -> It
         ranks = multiprocessing.active_children()  # the agent starts the ranks as this process's children
         if not ranks:
             raise SignalException(f"got {signal.Signals(signum).name} with no rank running", signal.Signals(signum))
+        marks.with_name(PASSED_ON_MARK).touch()  # before the ranks take it: none hands it back
         for rank in ranks:
             with suppress(ProcessLookupError):  # ended meanwhile
                 os.kill(rank.pid, signum)
