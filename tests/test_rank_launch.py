@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 def _finish_then_get_a_stop_signal(stop_marks: str) -> None:
     from hydraloop.parallel.spawned_ranks import run_rank
 
-    assert run_rank(stop_marks, int, 7) == 7
+    assert run_rank(stop_marks, os.getppid(), int, 7) == 7
     os.kill(os.getpid(), signal.SIGTERM)  # the launcher's signal, passed on after this rank's work was done
 
 
@@ -27,6 +27,30 @@ def test_a_stop_signal_reaching_a_rank_that_finished_its_work_does_not_fail_it(t
     rank.start()
     rank.join(30)
     assert rank.exitcode == 0
+
+
+def _stop_alone(marks: str, launcher_is_parent: bool) -> None:
+    from hydraloop.parallel.rank_stops import mark_stopped_alone
+
+    # The launcher gone, the rank's parent is another process (init, a subreaper), which it must not signal.
+    mark_stopped_alone(marks, signal.SIGUSR1, os.getppid() if launcher_is_parent else os.getppid() + 1)
+
+
+@pytest.mark.parametrize("launcher_is_parent", [True, False])
+def test_a_rank_stopped_alone_hands_its_signal_to_its_launcher_and_to_no_other_parent(tmp_path, launcher_is_parent):
+    """A rank that a signal the launcher did not pass on stopped before its training hands it to the launcher (its
+    peers would wait for it until parallel.timeout_s); once the launcher is gone (whose end sends each rank SIGINT),
+    it sent that to init or a subreaper, its parent then."""
+    got = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))
+    try:
+        rank = multiprocessing.get_context("fork").Process(target=_stop_alone, args=(str(tmp_path), launcher_is_parent))
+        rank.start()
+        rank.join(30)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert rank.exitcode == 0 and (tmp_path / "rank-0").read_text() == "SIGUSR1"
+    assert got == ([signal.SIGUSR1] if launcher_is_parent else [])
 
 
 def test_a_stop_signal_that_kills_a_rank_still_starting_is_a_stop_not_a_failure():

@@ -55,14 +55,15 @@ class Stopped:
     where: str
 
 
-def mark_stopped_alone(marks: str | Path, signum: int) -> None:
-    """Tells the launcher (`passed_on_to_ranks`) that this rank stopped on `signum` without its peers, before its
-    training started or at once (SIGINT): they may wait for it where no signal reaches them. A signal the launcher did
-    not pass on (`kill <this rank's pid>`, a scheduler's per task) is the launcher's too: the job stops, as on it, where
-    the peers would have waited until parallel.timeout_s."""
+def mark_stopped_alone(marks: str | Path, signum: int, launcher: int) -> None:
+    """Tells the launcher (`passed_on_to_ranks`, process `launcher`) that this rank stopped on `signum` without its
+    peers, before its training started or at once (SIGINT): they may wait for it where no signal reaches them. A
+    signal the launcher did not pass on (`kill <this rank's pid>`, a scheduler's per task) is the launcher's too: the
+    job stops, as on it, where the peers would have waited until parallel.timeout_s. Not once the launcher is gone (its
+    end sends each rank SIGINT, torch's PR_SET_PDEATHSIG): the rank's parent is then init, or a subreaper."""
     (Path(marks) / f"rank-{os.environ.get('RANK', '0')}").write_text(signal.Signals(signum).name)
-    if not Path(marks).with_name(PASSED_ON_MARK).exists():  # the launcher is this rank's parent, the agent
-        os.kill(os.getppid(), signum)
+    if os.getppid() == launcher and not Path(marks).with_name(PASSED_ON_MARK).exists():
+        os.kill(launcher, signum)
 
 
 def mark_taking_ctrl_c(marks: str | Path) -> None:

@@ -165,7 +165,7 @@ def _launch(
     with passed_on_to_ranks(shutdown_timeout_s, marks, nproc_per_node) as passed_on:
         try:
             # {rank: result}; ranks agree, rank 0 speaks
-            result = elastic_launch(config, run_rank)(str(marks), worker, *args)[0]
+            result = elastic_launch(config, run_rank)(str(marks), os.getpid(), worker, *args)[0]
         except SignalException as stop:
             if passed_on.signum == signal.SIGINT or took_ctrl_c(marks):  # the ranks ended at once, or were ended
                 raise Interrupted(signal.SIGINT, CTRL_C) from None
@@ -225,7 +225,7 @@ def _first_failure(failed: ChildFailedError) -> tuple[int, ProcessFailure]:
     return int(first), ProcessFailure(local_rank=int(first), pid=0, exitcode=1, error_file=str(written[first]))
 
 
-def run_rank(stop_marks: str, worker: Callable[..., T], *args) -> T | Stopped:
+def run_rank(stop_marks: str, launcher: int, worker: Callable[..., T], *args) -> T | Stopped:
     """A rank: `worker(*args)`. Before and after the training loop's own handling of stop signals
     (hydraloop.preemption.StopRequest), one ends the rank through Interrupted too (stop_at_once), not by the signal's
     default, which the agent would take for a failed rank; one before its training is marked in `stop_marks` for the
@@ -242,11 +242,11 @@ def run_rank(stop_marks: str, worker: Callable[..., T], *args) -> T | Stopped:
             stop_taken()
             result = Stopped(stop.signum, str(stop).removeprefix(f"stopped by {signal.Signals(stop.signum).name} "))
             if loops_entered() == loops_before:
-                mark_stopped_alone(stop_marks, stop.signum)
+                mark_stopped_alone(stop_marks, stop.signum, launcher)
         except KeyboardInterrupt:  # its peers may wait for it in a collective
             stop_taken()
             result = Stopped(signal.SIGINT, CTRL_C)
-            mark_stopped_alone(stop_marks, signal.SIGINT)
+            mark_stopped_alone(stop_marks, signal.SIGINT, launcher)
         # The rank's work is done; a stop signal passed on from now (the launcher's comes asynchronously, and may
         # reach a rank that finished first) has nothing left to stop, while its default would end the process as a
         # failed rank as it hands its result to the agent.
