@@ -3,10 +3,12 @@
 Selected from the command line like any model, e.g. `model._target_=tests.faults.RaisingMLP +model.fail_rank=1`.
 """
 
+import contextlib
 import math
 import os
 import signal
 import time
+from pathlib import Path
 
 import torch
 
@@ -244,13 +246,18 @@ class RankDependentMLP(MLP):
 
 
 class StopSignalAt(Callback):
-    """A callback that sends SIGTERM to the run's launcher, as a scheduler would, from rank 0 at a chosen moment:
+    """A callback that sends `signal_name` to the run's launcher, as a scheduler would, from rank 0 at a chosen moment:
     after optimizer step `at_step` (`during=step`), or in the validation of step `at_step` (`during=validation`),
     once that validation's metrics are known. The launcher is this process where the run trains in it
-    (parallel=single), the parent of a rank that torch.distributed.elastic started (spawned ranks, torchrun)."""
+    (parallel=single), the parent of a rank that torch.distributed.elastic started (spawned ranks, torchrun). With
+    `every_process`, to the launcher and every process under it, one by one, as SLURM signals a job step's (the
+    ranks, their loaders' fork servers and workers, the resource tracker)."""
 
-    def __init__(self, at_step: int, during: str = "step") -> None:
+    def __init__(
+        self, at_step: int, during: str = "step", signal_name: str = "SIGTERM", every_process: bool = False
+    ) -> None:
         self.at_step, self.during = at_step, during
+        self.signum, self.every_process = signal.Signals[signal_name], every_process
 
     def on_optimizer_step(self, trainer, state) -> None:
         if self.during == "step":
@@ -264,4 +271,21 @@ class StopSignalAt(Callback):
     def _signal(self, step: int) -> None:
         if int(os.environ.get("RANK", 0)) == 0 and step == self.at_step:
             launcher = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
-            os.kill(launcher, signal.SIGTERM)
+            for pid in [launcher, *_descendants(launcher)] if self.every_process else [launcher]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, self.signum)
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes under `pid`, children first, from /proc."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, queue = [], [pid]
+    while queue:
+        below = children.get(queue.pop(0), [])
+        found += below
+        queue += below
+    return found

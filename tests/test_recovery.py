@@ -105,6 +105,21 @@ def test_killed_rank_ends_the_job_within_seconds_and_keeps_the_last_checkpoint(r
 FAIL_ONCE = ("model._target_=tests.faults.FailingOnceMLP", "+model.fail_rank=1", "+model.fail_at_step=30")
 
 
+@pytest.mark.parametrize("parallel, sent", [("single", "SIGTERM"), ("ddp", "SIGUSR1")])
+def test_a_stop_signal_to_every_process_of_the_job_stops_it_with_a_checkpoint(run_train, parallel, sent):
+    """As SLURM signals each process of a job step (scancel, its time limit, submitit's --signal) and `pkill` does:
+    the loaders' workers, their fork server and the resource tracker get it too (hydraloop.data.workers). A worker it
+    ended failed the rank where it would have written its checkpoint (exit 1: `DataLoader worker (pid(s) ...) exited
+    unexpectedly`); SIGUSR1 ended the resource tracker, whose successor printed a KeyError traceback per
+    shared-memory segment the first had registered."""
+    stop = ("+callbacks.stop._target_=tests.faults.StopSignalAt", "+callbacks.stop.at_step=3")
+    stop += (f"+callbacks.stop.signal_name={sent}", "+callbacks.stop.every_process=true")
+    run = run_train(f"parallel={parallel}", "data.num_workers=1", "trainer.max_epochs=1", "logger=none", *stop)
+    assert run.returncode == 128 + signal.Signals[sent], run.output
+    assert f"stopped by {sent} after step 10" in run.output and "Traceback" not in run.output, run.output
+    assert run.checkpoint()["global_step"] == 10
+
+
 @pytest.fixture(scope="module")
 def uninterrupted_3_epochs(run_train):
     run = run_train("parallel=ddp", "trainer.max_epochs=3", "model.dropout=0.2", "logger=none")

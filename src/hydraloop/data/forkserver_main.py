@@ -8,12 +8,14 @@ finds its `__main__` imported: without this, every worker imported the entrypoin
 The server, and the workers it forks, leave the rank's process group for a session of their own: a stop signal to
 the run's group (a terminal's Ctrl-C, `kill -TERM -PGID`) is the rank's, which stops its loaders. It ended the
 workers at once, and the rank failed where it would have written a checkpoint and stopped (exit 143 all the same,
-with no checkpoint). Their parent still ends them (SIGTERM to each), and they end with it however it ends
-(hydraloop.data.loaders._end_with)."""
+with no checkpoint). The rank still ends them as it exits, and they end with it however it ends
+(hydraloop.data.workers). It ignores the stop signals, which its workers inherit: a scheduler may send them to every
+process of a job (hydraloop.data.workers says why)."""
 
 import contextlib
 import json
 import os
+import signal
 import sys
 from multiprocessing import spawn
 
@@ -23,6 +25,10 @@ _given = os.environ.pop(ENV, None)
 if _given:  # in the server, not in the rank that imports this module too
     with contextlib.suppress(OSError):  # a process group's leader already: not started by a rank
         os.setsid()
+    ignored = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)  # blocked while the server started
+    for sig in ignored:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, ignored)
     try:
         _given = json.loads(_given)
         sys.path[:] = _given["sys_path"]

@@ -9,27 +9,18 @@ server and seeded), and the check that the data sets give an epoch a step.
 """
 
 import functools
-import gc
-import json
-import multiprocessing.forkserver
 import os
-import random
-import select
-import sys
-import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, TensorDataset, default_collate
 
 from hydraloop.batches import check_leaves, map_tensors, slice_rows, tensors, to_device
-from hydraloop.data import forkserver_main
 from hydraloop.data.batch_transforms import split_elementwise_tail
 from hydraloop.data.samplers import GlobalBatchSampler, ShardSampler
 from hydraloop.data.seeded_augmentation import SeededAugmentation
+from hydraloop.data.workers import LOADER_CONTEXT, start_fork_server, start_worker
 from hydraloop.errors import ConfigError, require
 
 
@@ -94,51 +85,6 @@ class DeviceBatches:
         for indices in self.batch_sampler:
             index = torch.tensor(indices, dtype=torch.int64, device=self.device)
             yield map_tensors(lambda tensor, index=index: tensor[index], self.data)
-
-
-def _start_worker(owner: int, worker_id: int) -> None:
-    """A loader's worker starts: it ends with the process that owns the loader (`owner`), and is seeded."""
-    _end_with(owner)
-    # torch seeds each worker from the loader's generator; derive numpy's and Python's seeds from it too.
-    seed = torch.initial_seed() % 2**32
-    np.random.seed(seed)
-    random.seed(seed)
-    # What the worker holds by now (torch, the data set) lives as long as it does: out of the collector's way, as
-    # src/train.py does for its own imports; each full collection would otherwise re-scan it.
-    gc.freeze()
-
-
-def _end_with(owner: int) -> None:
-    """Ends this worker as soon as the process `owner` has ended. torch's workers watch their parent, which for a
-    worker forked from the fork server is that server, not the loader's owner; and the server lives as long as a
-    worker holds its pipe (as does multiprocessing's resource tracker): a killed rank (SIGKILL, the out-of-memory
-    killer, the launcher ending the ranks) left its workers, its server and its resource tracker running for good."""
-    try:
-        owner_fd = os.pidfd_open(owner)
-    except ProcessLookupError:  # ended already
-        os._exit(1)
-    except (AttributeError, OSError):  # no pidfd (not Linux 5.3+): polled instead
-        owner_fd = None
-
-    def wait() -> None:
-        if owner_fd is not None:
-            select.select([owner_fd], [], [])
-        else:
-            while _alive(owner):
-                time.sleep(1)
-        os._exit(1)
-
-    threading.Thread(target=wait, name="hydraloop-owner-watch", daemon=True).start()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 def auto_num_workers() -> int:
@@ -214,19 +160,19 @@ def build_loaders(
         for dataset in (train_set, val_set)
     )
     if num_workers > 0:
-        _preload_for_workers(train_set, val_set)
+        start_fork_server(train_set, val_set)
     common = dict(
         num_workers=num_workers,
         pin_memory=device.type == "cuda",  # page-locked host memory: asynchronous (non_blocking) copies
         persistent_workers=num_workers > 0,
         prefetch_factor=prefetch_factor if num_workers > 0 else None,
-        worker_init_fn=functools.partial(_start_worker, os.getpid()) if num_workers > 0 else None,
+        worker_init_fn=functools.partial(start_worker, os.getpid()) if num_workers > 0 else None,
         # Workers fork from a server process started once per rank (with persistent workers, once per run), not
         # from the training process: by the time a loader starts its workers, that one runs threads (gloo,
         # TensorBoard's writer, OpenMP's pool) whose locks a fork may copy held, and may have initialised CUDA,
         # which a forked child cannot use. The server imports the entrypoint once (~1 s); each worker then gets a
         # pickled copy of the data set. Python 3.14 makes forkserver the default on Linux too.
-        multiprocessing_context="forkserver" if num_workers > 0 else None,
+        multiprocessing_context=LOADER_CONTEXT if num_workers > 0 else None,
     )
     train = DataLoader(
         train_set,
@@ -253,27 +199,6 @@ def _elementwise_tail_per_batch(dataset: Dataset) -> tuple[Dataset, Callable | N
         return split_elementwise_tail(dataset)
     head, collate = split_elementwise_tail(dataset.dataset)
     return (SeededAugmentation(head, dataset.seed) if collate else dataset), collate
-
-
-def _preload_for_workers(*datasets: Dataset) -> None:
-    """Starts this process's fork server (see build_loaders) now, while the rank sets up the rest, having it import
-    the entrypoint (hydraloop.data.forkserver_main) and the data sets' modules, torch and torchvision among them,
-    before it forks any worker: each worker would otherwise import them itself, seconds of CPU apiece."""
-    modules = {type(dataset).__module__ for dataset in datasets}
-    modules |= {type(dataset.dataset).__module__ for dataset in datasets if isinstance(dataset, SeededAugmentation)}
-    main = sys.modules.get("__main__")
-    spec = getattr(main, "__spec__", None)
-    # `python -m module`: the workers import it by its name (multiprocessing leaves a package's __main__ alone).
-    by_name = spec is not None and bool(spec.name)
-    entrypoint = [spec.name] if by_name and not spec.name.endswith("__main__") else []
-    preload = ["hydraloop.data.forkserver_main", "__main__", *entrypoint, *sorted(modules - {"__main__"})]
-    torch.multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
-    given = {"sys_path": sys.path, "main_path": None if by_name else getattr(main, "__file__", None)}
-    os.environ[forkserver_main.ENV] = json.dumps(given)
-    try:
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        os.environ.pop(forkserver_main.ENV, None)
 
 
 def _on_device(dataset: Dataset, device: torch.device) -> Any:

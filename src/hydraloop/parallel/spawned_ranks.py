@@ -28,6 +28,7 @@ from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from hydraloop.data.workers import start_resource_tracker
 from hydraloop.errors import CTRL_C, ConfigError, Interrupted, StorageError, WorkerFailed
 from hydraloop.parallel.rank_stops import (
     PASSED_ON,
@@ -49,7 +50,6 @@ from hydraloop.preemption import (
 T = TypeVar("T")
 SOCKET_PATH_MAX = 107  # a Unix socket's path: sun_path's 108 bytes, with its terminating NUL
 log = logging.getLogger(__name__)
-
 
 START_METHODS = ("auto", "fork", "spawn")
 
@@ -160,6 +160,7 @@ def _launch(
         _forked_by = os.getpid()
     # The agent reports each rank's failure with a full traceback; the worker has already logged it.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    start_resource_tracker()  # the ranks' too: one that a scheduler's SIGUSR1 to every process does not end
     marks = folder / "stopped"
     marks.mkdir()
     with passed_on_to_ranks(shutdown_timeout_s, marks, nproc_per_node) as passed_on:
