@@ -18,6 +18,12 @@ def deaf_rank_signalling_its_launcher() -> None:
     time.sleep(60)
 
 
+def deaf_rank_signalled_alone(signal_name: str) -> None:
+    """The same rank, ended by a signal sent to it alone (`kill <its pid>`): its launcher never got one."""
+    signal.signal(signal.Signals[signal_name], signal.SIG_DFL)
+    os.kill(os.getpid(), signal.Signals[signal_name])
+
+
 def exp_on_two_threads() -> str:
     """A rank's computation on two threads: in a rank forked from a process whose OpenMP pool had started, it would
     wait forever on the pool's threads."""

@@ -65,6 +65,19 @@ def test_a_stop_signal_that_kills_a_rank_still_starting_is_a_stop_not_a_failure(
     assert stop.value.signum == signal.SIGTERM and "while the ranks were starting, before training" in str(stop.value)
 
 
+@pytest.mark.parametrize("sent", ["SIGTERM", "SIGUSR1"])
+def test_a_stop_signal_to_a_rank_alone_that_kills_it_still_starting_is_a_stop_not_a_failure(sent):
+    """The same signal sent to that rank alone, which the launcher did not pass on: `rank 0 failed (exit code -15)`,
+    exit 1, before."""
+    from hydraloop.errors import Interrupted
+    from hydraloop.parallel.spawned_ranks import launch_ranks
+    from rank_workers import deaf_rank_signalled_alone
+
+    with pytest.raises(Interrupted) as stop:
+        launch_ranks(1, 0, 30, "spawn", deaf_rank_signalled_alone, sent)
+    assert stop.value.signum == signal.Signals[sent] and "while the ranks were starting" in str(stop.value)
+
+
 def run_launcher(env: dict[str, str], script: str, *args: str) -> list[str]:
     """`python -c script args` in tests/, as a launcher of ranks: its output lines (stdout, then stderr); exit 0."""
     proc = subprocess.run(

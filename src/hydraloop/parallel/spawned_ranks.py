@@ -120,9 +120,8 @@ def launch_ranks(
 
 @contextmanager
 def _launcher_files_in(folder: str) -> Iterator[None]:
-    """The launcher's temporary files in `folder` while it lasts: torch.multiprocessing names each rank's error file
-    in the temporary folder (tempfile's), and elastic never removes it. A forked rank takes the folder it replaced
-    back (`_start_as_a_spawned_rank`), then keeps its own temporary files in `folder` too (`_temporary_files_in`)."""
+    """The launcher's temporary files in `folder` while it lasts (torch.multiprocessing's error files, which elastic
+    never removes). A forked rank takes back the folder it replaced, then keeps its own files in `folder` too."""
     global _tempdir
     _tempdir, tempfile.tempdir = tempfile.tempdir, folder  # None: from the environment (TMPDIR), at its next use
     try:
@@ -189,9 +188,10 @@ def _launch(
             rank, failure = _first_failure(failed)
             if passed_on.signum == signal.SIGINT or took_ctrl_c(marks):  # a rank not yet listening, or a peer's end
                 raise Interrupted(signal.SIGINT, CTRL_C) from None
-            if passed_on.signum and failure.exitcode == -passed_on.signum:  # a rank still starting, not yet listening
+            if (signum := passed_on.signum or -failure.exitcode) in PASSED_ON and failure.exitcode == -signum:
+                # A rank still starting, not yet listening, ended by the signal passed on or by one sent to it alone.
                 where = f"while the ranks were starting, before training, without a checkpoint (rank {rank} ended)"
-                raise Interrupted(passed_on.signum, where) from None
+                raise Interrupted(signum, where) from None
             message = failure.message.get("message") if isinstance(failure.message, dict) else failure.message
             if str(message).startswith("ConfigError: "):  # bad input only a rank could see, e.g. in a data file
                 raise ConfigError(str(message).removeprefix("ConfigError: ")) from None
