@@ -187,6 +187,34 @@ def test_step_schedule_and_the_imagenet_recipe_compose():
 EXACT = ("model=cnn", "model.channels=[8,16]", "optimizer=sgd", "data.batch_size=32", "trainer.max_epochs=2")
 
 
+WORKER_ENDED_BY_ITS_LOADER = """
+import multiprocessing, torch
+from torch.utils.data import TensorDataset
+from hydraloop.data.loaders import build_loaders
+from hydraloop.data.workers import LoaderWorker
+
+if __name__ == "__main__":
+    data = TensorDataset(torch.arange(64.0).reshape(32, 2))
+    common = dict(global_batch_size=4, global_val_batch_size=4, rank=0, world_size=1, seed=0, drop_last=True)
+    train, _ = build_loaders(data, data, num_workers=1, device=torch.device("cpu"), **common)
+    next(iter(train))
+    (worker,) = [child for child in multiprocessing.active_children() if isinstance(child, LoaderWorker)]
+    worker.terminate()
+    worker.join(10)
+    print(worker.exitcode)
+"""
+
+
+def test_a_loader_worker_that_ignores_stop_signals_is_still_ended_by_its_loader(tmp_path, train_env):
+    """Loader workers ignore SIGTERM (a scheduler's to every process: hydraloop.data.workers), and torch's loader ends
+    one that has not ended 5 s after its shutdown request with Process.terminate: a SIGKILL for a LoaderWorker. A
+    SIGTERM left it running, with its fork server, in a process that outlives its runs (a joblib sweep's worker)."""
+    script = tmp_path / "end_a_worker.py"
+    script.write_text(WORKER_ENDED_BY_ITS_LOADER)
+    done = subprocess.run([sys.executable, str(script)], env=train_env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == [str(-signal.SIGKILL)], done.stdout + done.stderr
+
+
 @pytest.mark.slow
 def test_ddp_with_workers_ends_with_the_parameters_of_single_without(run_train, image_folder):
     """Random crops and flips on, a model without batch norm (whose statistics are per rank)."""

@@ -39,7 +39,12 @@ _ending_registered = False
 
 
 class LoaderWorker(multiprocessing.context.ForkServerProcess):
-    """A loader's worker, forked from the fork server: the kind of child this process ends at its exit."""
+    """A loader's worker, forked from the fork server. It ignores SIGTERM, so it is ended by SIGKILL: by torch's
+    loader, where the worker has not ended 5 s after its shutdown request (it lived on, with its fork server, in a
+    process that outlives its runs: a joblib sweep's worker), and by this process at its exit (`_end_workers`)."""
+
+    def terminate(self) -> None:
+        self.kill()
 
 
 class _LoaderContext(multiprocessing.context.ForkServerContext):
