@@ -271,12 +271,12 @@ class StopSignalAt(Callback):
     def _signal(self, step: int) -> None:
         if int(os.environ.get("RANK", 0)) == 0 and step == self.at_step:
             launcher = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
-            for pid in [launcher, *_descendants(launcher)] if self.every_process else [launcher]:
+            for pid in [launcher, *descendants(launcher)] if self.every_process else [launcher]:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, self.signum)
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     """The processes under `pid`, children first, from /proc."""
     children = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):

@@ -25,10 +25,6 @@ _given = os.environ.pop(ENV, None)
 if _given:  # in the server, not in the rank that imports this module too
     with contextlib.suppress(OSError):  # a process group's leader already: not started by a rank
         os.setsid()
-    ignored = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)  # blocked while the server started
-    for sig in ignored:
-        signal.signal(sig, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, ignored)
     try:
         _given = json.loads(_given)
         sys.path[:] = _given["sys_path"]
@@ -36,3 +32,8 @@ if _given:  # in the server, not in the rank that imports this module too
             spawn.import_main_path(_given["main_path"])
     except Exception:  # noqa: BLE001  a server must start: its workers then import the entrypoint themselves
         pass
+    # After the entrypoint, which sets handlers of its own (src/train.py holds them in a spawned rank: __mp_main__).
+    ignored = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)  # blocked while the server started
+    for sig in ignored:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, ignored)

@@ -18,7 +18,6 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from types import FrameType
 from typing import TypeVar
 
 import torch
@@ -33,16 +32,16 @@ from hydraloop.errors import CTRL_C, ConfigError, Interrupted, StorageError, Wor
 from hydraloop.parallel.rank_stops import (
     PASSED_ON,
     Stopped,
+    interrupt_rank,
     mark_stopped_alone,
-    mark_taking_ctrl_c,
     passed_on_to_ranks,
     took_ctrl_c,
 )
 from hydraloop.preemption import (
     STOP_SIGNALS,
-    interrupt_once,
     loops_entered,
     raise_a_lost_stop,
+    raise_held_stop,
     stop_at_once,
     stop_taken,
 )
@@ -235,9 +234,10 @@ def run_rank(stop_marks: str, launcher: int, worker: Callable[..., T], *args) ->
         _start_as_a_spawned_rank()
     _temporary_files_in(Path(stop_marks).parent)
     loops_before = loops_entered()
-    signal.signal(signal.SIGINT, functools.partial(_interrupt_rank, stop_marks))
+    signal.signal(signal.SIGINT, functools.partial(interrupt_rank, stop_marks))
     with stop_at_once():
         try:
+            raise_held_stop()
             result = worker(*args)
         except Interrupted as stop:
             stop_taken()
@@ -254,14 +254,6 @@ def run_rank(stop_marks: str, launcher: int, worker: Callable[..., T], *args) ->
         for sig in (*STOP_SIGNALS, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
         return result
-
-
-def _interrupt_rank(stop_marks: str, signum: int, frame: FrameType | None) -> None:
-    try:
-        interrupt_once(signum, frame)
-    except KeyboardInterrupt:  # not dropped: the launcher waits for this rank's way out of it
-        mark_taking_ctrl_c(stop_marks)
-        raise
 
 
 def _temporary_files_in(folder: Path) -> None:
