@@ -11,10 +11,6 @@ import signal
 # Ctrl-C while the imports below run ends the process by the signal, as a stop signal there does, before anything is
 # written: Python's KeyboardInterrupt could be swallowed by the code it lands in (a run went on to its end).
 signal.signal(signal.SIGINT, signal.SIG_DFL)
-if __name__ == "__mp_main__":  # a rank that parallel=ddp or fsdp spawned: a stop now is taken once it runs
-    from hydraloop.preemption import hold_stops
-
-    hold_stops()
 
 # The imports below create about half a million objects that live as long as the process (torch, Hydra,
 # torch._dynamo). The cyclic collector, triggered by allocation counts, would re-scan them again and again while they

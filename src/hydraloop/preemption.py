@@ -61,27 +61,6 @@ class Interrupted(RuntimeError):
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 _loops_entered = 0  # StopRequests entered by this process (and those it was forked from): see `loops_entered`
-_held: list[int] = []  # stop signals held while a spawned rank imported its modules: see `hold_stops`
-
-
-def hold_stops() -> None:
-    """In a rank spawned by parallel=ddp or fsdp, as it imports src/train.py: a stop signal (or SIGINT) is held until
-    the rank listens (`stop_at_once` takes the handlers over, `raise_held_stop`). The signal's default ended it, which
-    the agent takes for a failed rank: with parallel.max_restarts it restarted the ranks, and the run went on."""
-    for sig in (*STOP_SIGNALS, signal.SIGINT):
-        signal.signal(sig, _hold)
-
-
-def _hold(signum: int, frame: FrameType | None) -> None:
-    _held.append(signum)
-
-
-def raise_held_stop() -> None:
-    """Where a spawned rank listens: the stop it held, if any, raised as the signal's own handler would raise it."""
-    if _held and _held[0] == signal.SIGINT:
-        raise KeyboardInterrupt()
-    if _held:
-        raise Interrupted(_held[0], "while the rank was starting, without a checkpoint")
 
 
 def loops_entered() -> int:
@@ -229,7 +208,7 @@ def stop_at_once() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    ours = [sig for sig in STOP_SIGNALS if signal.getsignal(sig) in (signal.SIG_DFL, _stop_under_way, _hold)]
+    ours = [sig for sig in STOP_SIGNALS if signal.getsignal(sig) in (signal.SIG_DFL, _stop_under_way)]
     for sig in ours:
         signal.signal(sig, _stop_now)
     stopping = False

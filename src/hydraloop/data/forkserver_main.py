@@ -32,7 +32,7 @@ if _given:  # in the server, not in the rank that imports this module too
             spawn.import_main_path(_given["main_path"])
     except Exception:  # noqa: BLE001  a server must start: its workers then import the entrypoint themselves
         pass
-    # After the entrypoint, which sets handlers of its own (src/train.py holds them in a spawned rank: __mp_main__).
+    # After the entrypoint, which may set handlers of its own.
     ignored = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)  # blocked while the server started
     for sig in ignored:
         signal.signal(sig, signal.SIG_IGN)

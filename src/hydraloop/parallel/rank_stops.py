@@ -7,10 +7,9 @@ agent would restart (parallel.max_restarts) where the signal asked the job to st
 same way, and ends each rank at once, without a checkpoint. A further signal, once one is passed on, changes nothing.
 
 Ranks meet only in training. A rank that the signal ends before its training started (in its set-up: joining the
-process group, building, wrapping, resuming; a spawned rank holds one that comes while it imports src/train.py,
-hydraloop.preemption.hold_stops), or at once (SIGINT), or before it could take the signal at all (the first instants
-of a spawned rank) leaves its peers waiting for it, in C++ where no signal reaches them (a store or gloo connect,
-DDP's check of the parameters, a step's all-reduce) until their timeout (parallel.timeout_s), and the launcher until
+process group, building, wrapping, resuming), or at once (SIGINT), or before it could take the signal at all (still
+starting) leaves its peers waiting for it, in C++ where no signal reaches them (a store or gloo connect, DDP's check
+of the parameters, a step's all-reduce) until their timeout (parallel.timeout_s), and the launcher until
 parallel.shutdown_timeout_s. No checkpoint can come of such an end: the launcher gives the others `GRACE_S` to hand
 in their own stop, then kills them, and reports the stop without pointing at a checkpoint. A rank that stops so on a
 signal of its own, which the launcher did not pass on, hands it to the launcher: the same follows.

@@ -41,7 +41,6 @@ from hydraloop.preemption import (
     STOP_SIGNALS,
     loops_entered,
     raise_a_lost_stop,
-    raise_held_stop,
     stop_at_once,
     stop_taken,
 )
@@ -237,7 +236,6 @@ def run_rank(stop_marks: str, launcher: int, worker: Callable[..., T], *args) ->
     signal.signal(signal.SIGINT, functools.partial(interrupt_rank, stop_marks))
     with stop_at_once():
         try:
-            raise_held_stop()
             result = worker(*args)
         except Interrupted as stop:
             stop_taken()
