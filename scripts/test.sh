@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up (scripts/setup.sh) and runs the whole test suite on two pytest-xdist workers: one process leaves a core idle
-# while a test waits on the processes it starts (two workers: 26 min on 2 cores, 2026-12-07). Extra
+# while a test waits on the processes it starts (two workers: 27 min on 2 cores, 2026-12-07). Extra
 # arguments go to pytest (`-n 0`: one process).
 set -euo pipefail
 cd "$(dirname "$0")/.."
